@@ -1,0 +1,42 @@
+"""kvpress-phase: chunked-stride KV-cache compression for kvpress, and the phase of every token.
+
+The presses need kvpress (and therefore transformers); the phase arithmetic and the kernels need only torch.
+Attributes are imported lazily so that ``import kvpress_phase.kernels`` works on a machine that has torch and
+Triton but not kvpress.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+__version__ = "0.1.0"
+
+# In a source checkout that was not installed, the sub-packages `kvpress_phase.kernels` and
+# `kvpress_phase.evaluation` live in the top-level folders `kernels/` and `evaluation/` (pyproject.toml maps
+# them into this namespace when the package is installed). Make them importable from the checkout too.
+_here = os.path.dirname(os.path.abspath(__file__))
+_root = os.path.dirname(_here)
+if not os.path.isdir(os.path.join(_here, "kernels")) and os.path.isfile(os.path.join(_root, "kernels", "__init__.py")):
+    __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
+
+_LAZY = {
+    "ChunkedStridePress": "kvpress_phase.presses.chunked_stride_press",
+    "PhaseAwarePress": "kvpress_phase.presses.phase_aware_press",
+    "WindowLayout": "kvpress_phase.phase",
+    "phase_of": "kvpress_phase.phase",
+    "builtin_model_path": "kvpress_phase.builtin",
+    "load_builtin_model": "kvpress_phase.builtin",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvpress_phase' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__
