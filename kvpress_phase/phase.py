@@ -1,0 +1,212 @@
+"""Phase arithmetic: the one place that knows how windows are laid over a sequence.
+
+Chunked compression places windows of ``window`` (W) consecutive tokens every ``stride`` (S) tokens, starting at
+``offset``. Every token then has a *phase*, its offset inside its stride block::
+
+    phase = (position - offset) mod stride
+
+A :class:`WindowLayout` says, for one sequence length, which positions are protected (the ``n_sink`` first and
+``n_local`` last tokens, always kept raw), where each head's first window starts, how many windows are
+compressed, and which raw tokens are left before and after them. Presses, kernels and the evaluation suite all
+build their layouts here, so a phase means the same thing everywhere.
+
+Only torch is imported, so the kernels can use this module on a machine without kvpress.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+
+IntOrTensor = Union[int, torch.Tensor]
+
+
+def phase_of(position: IntOrTensor, stride: int, offset: IntOrTensor = 0) -> IntOrTensor:
+    """Phase of ``position`` for windows placed every ``stride`` tokens starting at ``offset``.
+
+    Works on Python ints and on integer tensors (broadcasting), and always returns a value in ``[0, stride)``.
+    """
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    return (position - offset) % stride
+
+
+def kept_per_window(stride: int, compression_ratio: float) -> int:
+    """Entries each window yields: ``k = max(1, round(stride * (1 - compression_ratio)))``."""
+    return max(1, int(round(stride * (1.0 - compression_ratio))))
+
+
+def n_windows(seq_len: int, stride: int, n_sink: int, n_local: int) -> int:
+    """Number of windows compressed in a sequence of ``seq_len`` tokens.
+
+    The compressible span is ``L = max(0, seq_len - n_sink - n_local)``. A grid with offset ``o`` leaves
+    ``lead = (o - n_sink) mod S`` raw tokens before its first window, so at least ``(L - S + 1) // S`` windows
+    fit whatever the offset. That is the number used for every offset, which makes the compressed length
+    independent of the offset: aligned, shifted and staggered grids spend exactly the same cache.
+    """
+    span = max(0, seq_len - n_sink - n_local)
+    return max(0, (span - stride + 1) // stride)
+
+
+def compressed_length(seq_len: int, stride: int, compression_ratio: float, n_sink: int = 4, n_local: int = 16) -> int:
+    """Cache length after compression: ``seq_len - n_windows * (stride - k)``."""
+    nw = n_windows(seq_len, stride, n_sink, n_local)
+    return seq_len - nw * (stride - kept_per_window(stride, compression_ratio))
+
+
+def group_bounds(window: int, stride: int, k: int) -> tuple[list[int], list[int]]:
+    """Slots ``[lo[g], hi[g])`` of a window that merged entry ``g`` (of ``k``) pools, in pool mode.
+
+    Entries start every ``stride / k`` slots: ``lo[g] = floor(g * S / k)``. Each spans its share of the stride
+    stretched by ``W / S``: ``hi[g] = lo[g] + ceil((floor((g + 1) * S / k) - lo[g]) * W / S)``. With ``W == S`` the
+    groups partition the window; with ``W == 2 * S`` every token feeds two entries (of this window and the next)
+    and no two entries of the sequence pool the same tokens.
+    """
+    lo = [(g * stride) // k for g in range(k)]
+    share = [((g + 1) * stride) // k - lo[g] for g in range(k)]
+    hi = [lo[g] + -(-share[g] * window // stride) for g in range(k)]
+    return lo, hi
+
+
+def group_membership(window: int, stride: int, k: int, device=None) -> torch.Tensor:
+    """``(window, k)`` float32 matrix, 1 where slot ``i`` feeds entry ``g`` (see :func:`group_bounds`)."""
+    lo, hi = group_bounds(window, stride, k)
+    i = torch.arange(window, device=device)[:, None]
+    lo_t = torch.tensor(lo, device=device)
+    hi_t = torch.tensor(hi, device=device)
+    return ((i >= lo_t) & (i < hi_t)).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """Where the windows of one sequence are, per batch row and KV head.
+
+    Attributes
+    ----------
+    seq_len : int
+        Number of tokens in the sequence (the cache length before compression).
+    window, stride : int
+        W and S. A window starting at position ``s`` covers ``[s, s + W)``; windows start every S tokens.
+    k : int
+        Entries each window yields.
+    n_sink, n_local : int
+        Protected tokens at the start and at the end, always kept raw.
+    first : torch.Tensor
+        ``(batch, heads)`` long tensor, position where each row's first compressed window starts.
+        ``first >= n_sink`` and ``first - n_sink < stride``.
+    n_windows : int
+        Number of compressed windows, the same for every row (see :func:`n_windows`).
+    offsets : torch.Tensor
+        ``(batch, heads)`` long tensor, the grid offsets (phase 0 is at positions ``offset + j * stride``).
+    """
+
+    seq_len: int
+    window: int
+    stride: int
+    k: int
+    n_sink: int
+    n_local: int
+    offsets: torch.Tensor
+    first: torch.Tensor
+    n_windows: int
+
+    @classmethod
+    def build(
+        cls,
+        seq_len: int,
+        *,
+        window: int,
+        stride: int,
+        k: int,
+        offsets: IntOrTensor | Sequence[int] = 0,
+        n_sink: int = 0,
+        n_local: int = 0,
+        batch: int = 1,
+        heads: int = 1,
+        device=None,
+    ) -> "WindowLayout":
+        """Lay windows over a sequence of ``seq_len`` tokens.
+
+        ``offsets`` is one int for all rows, a sequence of ``heads`` ints (one grid per head), or a tensor
+        broadcastable to ``(batch, heads)``.
+        """
+        if stride < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        if window < stride:
+            raise ValueError(f"window must be >= stride ({stride}), got {window}")
+        if not 1 <= k <= window:
+            raise ValueError(f"k must be in [1, window={window}], got {k}")
+        if n_sink < 0 or n_local < 0:
+            raise ValueError(f"n_sink and n_local must be >= 0, got {n_sink} and {n_local}")
+        off = torch.as_tensor(offsets, dtype=torch.long, device=device)
+        off = torch.broadcast_to(off, (batch, heads)).clone() % stride
+        first = n_sink + torch.remainder(off - n_sink, stride)
+        return cls(
+            seq_len=seq_len,
+            window=window,
+            stride=stride,
+            k=k,
+            n_sink=n_sink,
+            n_local=n_local,
+            offsets=off,
+            first=first,
+            n_windows=n_windows(seq_len, stride, n_sink, n_local),
+        )
+
+    # ------------------------------------------------------------------ derived quantities
+    @property
+    def batch(self) -> int:
+        return self.first.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.first.shape[1]
+
+    @property
+    def uniform(self) -> bool:
+        """True when every row uses the same grid (then the compressed cache is a concatenation of views)."""
+        return bool((self.first == self.first.flatten()[0]).all())
+
+    @property
+    def compressed_length(self) -> int:
+        return self.seq_len - self.n_windows * (self.stride - self.k)
+
+    @property
+    def achieved_ratio(self) -> float:
+        """Fraction of the whole cache removed (the nominal ratio applies to windows only)."""
+        return 0.0 if self.seq_len == 0 else 1.0 - self.compressed_length / self.seq_len
+
+    def window_starts(self) -> torch.Tensor:
+        """``(batch, heads, n_windows)`` start position of every compressed window."""
+        j = torch.arange(self.n_windows, device=self.first.device)
+        return self.first[..., None] + j * self.stride
+
+    def window_positions(self) -> torch.Tensor:
+        """``(batch, heads, n_windows, window)`` position of every slot of every window (may exceed seq_len)."""
+        w = torch.arange(self.window, device=self.first.device)
+        return self.window_starts()[..., None] + w
+
+    def phases(self, positions: torch.Tensor) -> torch.Tensor:
+        """Phase of ``positions`` (shape ``(batch, heads, ...)``) under each row's grid."""
+        off = self.offsets.reshape(self.offsets.shape + (1,) * (positions.dim() - 2))
+        return torch.remainder(positions - off, self.stride)
+
+    def raw_source_index(self) -> torch.Tensor:
+        """``(batch, heads, compressed_length)`` source position of each output slot that holds a raw token.
+
+        Slots ``[0, first)`` hold tokens ``[0, first)``; slots from ``first + n_windows * k`` on hold the tokens
+        after the last window. Window slots in between map to ``first`` (they are overwritten by the caller).
+        """
+        t = torch.arange(self.compressed_length, device=self.first.device)
+        f = self.first[..., None]
+        end = f + self.n_windows * self.k
+        src = torch.where(t < f, t, t + self.n_windows * (self.stride - self.k))
+        return torch.where((t >= f) & (t < end), f.expand_as(src), src)
+
+    def window_slot_mask(self) -> torch.Tensor:
+        """``(batch, heads, compressed_length)`` bool, True where an output slot holds a window entry."""
+        t = torch.arange(self.compressed_length, device=self.first.device)
+        f = self.first[..., None]
+        return (t >= f) & (t < f + self.n_windows * self.k)

@@ -1,0 +1,200 @@
+"""What the two windowed presses share: parameters, their validation, and the compress step.
+
+A subclass decides only where each row's window grid starts (:meth:`WindowedPress.grid_offsets`) and which
+window length it uses (:attr:`WindowedPress.effective_window`); everything else, from the layout to the kernel
+call, is here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from kvpress import BasePress, KnormPress, ScorerPress
+from torch import nn
+
+from kvpress_phase.kernels import ROPE_MODES, WEIGHTINGS, BACKENDS, pool_windows, select_windows
+from kvpress_phase.phase import WindowLayout, kept_per_window
+from kvpress_phase.rope import rotary_inv_freq
+
+logger = logging.getLogger(__name__)
+
+MODES = ("select", "pool")
+
+
+@dataclass
+class LayerStats:
+    """What a press did to one layer's cache during the last prefill."""
+
+    seq_len: int
+    compressed_length: int
+    achieved_ratio: float
+    layout: Optional[WindowLayout]
+    positions: Optional[torch.Tensor]
+    """``(batch, heads, compressed_length)`` int32: source position of each kept entry (first position of its
+    group for a pooled entry); ``None`` when the layer passed through unchanged."""
+
+    @property
+    def phases(self) -> Optional[torch.Tensor]:
+        """Phase of every kept entry under its row's grid (``None`` when the layer was not compressed)."""
+        if self.layout is None or self.positions is None:
+            return None
+        return self.layout.phases(self.positions.long())
+
+
+def _check_int(name: str, value, low: int, high: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass
+class WindowedPress(BasePress):
+    """Common base of :class:`ChunkedStridePress` and :class:`PhaseAwarePress` (see their docstrings)."""
+
+    compression_ratio: float = 0.0
+    window: Optional[int] = 8
+    stride: int = 8
+    offset: int = 0
+    n_sink: int = 4
+    n_local: int = 16
+    mode: str = "pool"
+    scorer: ScorerPress = field(default_factory=KnormPress)
+    weighting: str = "mean"
+    rope: str = "start"
+    backend: Optional[str] = None
+    stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def effective_window(self) -> int:
+        return self.stride if self.window is None else self.window
+
+    @property
+    def k(self) -> int:
+        """Entries each window yields: ``max(1, round(stride * (1 - compression_ratio)))``."""
+        return kept_per_window(self.stride, self.compression_ratio)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid parameter and its allowed range."""
+        r = self.compression_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+            raise ValueError(f"compression_ratio must be a number in [0, 1), got {r!r}")
+        _check_int("stride", self.stride, 1)
+        if self.window is not None:
+            _check_int("window", self.window, self.stride)
+        _check_int("offset", self.offset, 0)
+        _check_int("n_sink", self.n_sink, 0)
+        _check_int("n_local", self.n_local, 0)
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("weighting", self.weighting, WEIGHTINGS)
+        _check_choice("rope", self.rope, ROPE_MODES)
+        if self.backend is not None:
+            _check_choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.scorer, ScorerPress):
+            raise ValueError(f"scorer must be a kvpress ScorerPress, got {type(self.scorer).__name__}")
+        if self.mode == "select" and self.effective_window != self.stride:
+            raise ValueError(
+                f"window must equal stride ({self.stride}) in mode='select' (got {self.effective_window}): "
+                "overlapping windows would keep a token twice; use mode='pool' for overlapping windows"
+            )
+
+    @property
+    def needs_rope(self) -> bool:
+        return self.mode == "pool" and self.rope != "none"
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.mode == "select" or self.weighting == "score"
+
+    # ------------------------------------------------------------------ kvpress hooks
+    def post_init_from_model(self, model):
+        self.scorer.post_init_from_model(model)
+        if self.needs_rope:
+            inner = getattr(model, "model", model)
+            inner = getattr(inner, "language_model", inner)
+            if getattr(inner, "rotary_emb", None) is None:
+                raise ValueError(
+                    f"{type(model).__name__} has no rotary embedding: rope={self.rope!r} un-rotates keys with the "
+                    "model's RoPE. Use rope='none' for this model."
+                )
+
+    def grid_offsets(
+        self, module: nn.Module, scores: Optional[torch.Tensor], batch: int, heads: int, seq_len: int
+    ) -> Union[int, torch.Tensor]:
+        """Offset of each row's window grid: one int, or a tensor broadcastable to ``(batch, heads)``."""
+        return self.offset
+
+    def layout_for(self, module: nn.Module, keys: torch.Tensor, scores: Optional[torch.Tensor] = None) -> WindowLayout:
+        """The window layout this press uses for ``keys`` (``(batch, heads, seq_len, head_dim)``) in ``module``."""
+        batch, heads, seq_len, _ = keys.shape
+        return WindowLayout.build(
+            seq_len,
+            window=self.effective_window,
+            stride=self.stride,
+            k=self.k,
+            offsets=self.grid_offsets(module, scores, batch, heads, seq_len),
+            n_sink=self.n_sink,
+            n_local=self.n_local,
+            batch=batch,
+            heads=heads,
+            device=keys.device,
+        )
+
+    def compress(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attentions: torch.Tensor,
+        kwargs: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.validate()
+        layer_idx = getattr(module, "layer_idx", 0)
+        seq_len = keys.shape[2]
+        if self.compression_ratio == 0 or getattr(module, "is_sliding", False):
+            # sliding-window layers keep their own bounded cache; compressing it would break its bookkeeping
+            self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
+            return keys, values
+
+        scores = None
+        if self.needs_scores or self.needs_scores_for_grid:
+            scores = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs).float()
+        layout = self.layout_for(module, keys, scores)
+        if layout.n_windows == 0:
+            self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
+            return keys, values
+
+        if self.mode == "select":
+            out = select_windows(keys, values, scores, layout, backend=self.backend)
+        else:
+            inv_freq = rotary_inv_freq(module) if self.needs_rope else None
+            out = pool_windows(
+                keys,
+                values,
+                layout,
+                scores=scores,
+                weighting=self.weighting,
+                rope=self.rope,
+                inv_freq=inv_freq,
+                backend=self.backend,
+            )
+        self.stats[layer_idx] = LayerStats(
+            seq_len, layout.compressed_length, layout.achieved_ratio, layout, out.positions.to(torch.int32)
+        )
+        return out.keys, out.values
+
+    @property
+    def needs_scores_for_grid(self) -> bool:
+        return False

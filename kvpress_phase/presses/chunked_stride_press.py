@@ -1,0 +1,66 @@
+"""ChunkedStridePress: chunked fixed-stride KV-cache compression."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpress_phase.presses.base import WindowedPress
+
+
+@dataclass
+class ChunkedStridePress(WindowedPress):
+    """Compress the cache window by window on a fixed grid.
+
+    Windows of ``window`` (W) consecutive tokens are placed every ``stride`` (S) tokens, starting at ``offset``;
+    each window becomes ``k`` cache entries. This is the chunked compression whose periodic weak spots are
+    described in "Periodic Weak Spots: Phase Sensitivity from Chunked KV-Cache Compression" (arXiv:2609.36322):
+    every token has a phase, ``(position - offset) mod stride``, and how well it survives depends on it.
+
+    Layout and length (exact). For a sequence of ``n`` tokens:
+
+    - the first ``n_sink`` and the last ``n_local`` tokens are kept raw; the ``L = n - n_sink - n_local``
+      tokens between them are compressible;
+    - ``k = max(1, round(S * (1 - compression_ratio)))`` entries per window;
+    - ``n_windows = max(0, (L - S + 1) // S)``: the number of windows that fit in the compressible span for every
+      offset, so the length never depends on the offset;
+    - the first window starts at ``first = n_sink + ((offset - n_sink) mod S)``; window ``j`` owns the stride
+      block ``[first + j*S, first + (j+1)*S)`` and reads ``[first + j*S, first + j*S + W)``;
+    - tokens before ``first`` and after the last block are kept raw;
+    - compressed length ``n - n_windows * (S - k)``; the achieved ratio over the whole cache is recorded in
+      ``press.stats[layer_idx]`` with the source position (and so the phase) of every kept entry.
+
+    A sequence too short for one window passes through unchanged.
+
+    Parameters
+    ----------
+    compression_ratio : float, default 0.0
+        Fraction of each window's entries removed, in [0, 1). 0 returns the cache unchanged.
+    window : int, default 8
+        W, tokens read by each window, ``>= stride``. ``window == stride`` gives non-overlapping windows;
+        ``window > stride`` (overlapping windows) needs ``mode="pool"``.
+    stride : int, default 8
+        S, distance between window starts, ``>= 1``.
+    offset : int, default 0
+        Where the grid starts: phase 0 is at positions ``offset + j * stride``. ``>= 0``.
+    n_sink : int, default 4
+        Initial tokens always kept raw (attention sinks).
+    n_local : int, default 16
+        Most recent tokens always kept raw.
+    mode : {"pool", "select"}, default "pool"
+        ``"pool"`` merges each window into ``k`` entries (slot ``i`` of the window feeds entry
+        ``floor(i * k / W)``); ``"select"`` keeps the ``k`` highest-scoring tokens of each window (ties to the
+        earlier token), which keep their original rotation.
+    scorer : kvpress.ScorerPress, default ``KnormPress()``
+        Per-token scores (higher = more important) for ``mode="select"`` and ``weighting="score"``. Its own
+        ``compression_ratio`` is ignored.
+    weighting : {"mean", "score"}, default "mean"
+        Pool weights inside each merged group: uniform, or softmax of the scorer's scores.
+    rope : {"start", "center", "centroid", "none"}, default "start"
+        Pool mode only. ``"none"`` averages the keys as stored (each rotated at its own position). The others
+        un-rotate the keys with the layer's rotary embedding, pool, and rotate the merged key at the group's
+        start (as in the reproduction of the paper), its centre, or its weight-averaged position.
+    backend : {"auto", "triton", "torch"} or None, default None
+        Kernel backend (None reads ``KVPRESS_PHASE_BACKEND``, default auto: Triton on CUDA tensors).
+
+    Every parameter is validated at construction; invalid values raise ``ValueError`` naming the parameter.
+    """

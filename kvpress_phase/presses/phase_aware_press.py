@@ -1,0 +1,140 @@
+"""PhaseAwarePress: the cache budget of ChunkedStridePress without its periodic weak spots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from kvpress_phase.presses.base import WindowedPress, _check_choice
+
+STAGGERS = ("none", "head", "layer", "head_layer")
+
+
+@dataclass
+class PhaseAwarePress(WindowedPress):
+    """Chunked-stride compression whose grid does not favour any phase.
+
+    Keeps exactly as many entries as :class:`~kvpress_phase.ChunkedStridePress` with the same ``stride``,
+    ``compression_ratio``, ``n_sink`` and ``n_local`` (the number of windows never depends on the offset, see
+    its docstring), and removes the dependence on phase with four mechanisms, each switchable for ablations:
+
+    - **staggered offsets** (``stagger``): every KV head (``"head"``), layer (``"layer"``) or (layer, head) pair
+      (``"head_layer"``) uses its own grid offset, spread evenly over ``[0, stride)``: a token that sits on a
+      window boundary for one head sits mid-window for another.
+    - **overlapping windows** (``overlap``, pool mode): windows of ``2 * stride`` tokens every ``stride`` tokens,
+      as in DeepSeek-V4's compressed attention, so every token is merged into entries of two windows at two
+      different in-window offsets.
+    - **RoPE-aware merging** (``rope="centroid"``): keys are un-rotated, merged, and re-rotated at the
+      score-weighted centroid of their group (with ``weighting="score"``), so a merged key points where its
+      content came from.
+    - **boundary-aware alignment** (``align``): per sequence and layer, the base offset is the one whose window
+      boundaries cut the highest-scoring spans least (for each offset, the sum over its boundaries of the lower
+      of the two neighbouring tokens' min-max-normalised scores; the lowest wins). Staggered shifts are added
+      on top.
+
+    Parameters
+    ----------
+    All those of :class:`~kvpress_phase.ChunkedStridePress`, with these differences:
+
+    window : int or None, default None
+        None means ``2 * stride`` when overlapping and ``stride`` otherwise. An explicit window must be
+        ``> stride`` with ``overlap=True`` and ``== stride`` with ``overlap=False``.
+    stagger : {"head", "layer", "head_layer", "none"}, default "head"
+    overlap : bool or None, default None
+        None means True in pool mode and False in select mode (select mode cannot overlap).
+    align : bool, default False
+    rope : default "centroid"
+    weighting : default "score"
+
+    The defaults are the combination that measured best on our sweeps; see ``RESULTS.md``.
+    """
+
+    window: Optional[int] = None
+    rope: str = "centroid"
+    weighting: str = "score"
+    stagger: str = "head"
+    overlap: Optional[bool] = None
+    align: bool = False
+    n_layers: Optional[int] = field(default=None, init=False, repr=False, compare=False)  # from the model
+
+    @property
+    def overlapping(self) -> bool:
+        return self.mode == "pool" if self.overlap is None else bool(self.overlap)
+
+    @property
+    def effective_window(self) -> int:
+        if self.window is not None:
+            return self.window
+        return 2 * self.stride if self.overlapping else self.stride
+
+    def validate(self) -> None:
+        _check_choice("stagger", self.stagger, STAGGERS)
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True, False or None, got {self.overlap!r}")
+        if not isinstance(self.align, bool):
+            raise ValueError(f"align must be True or False, got {self.align!r}")
+        if self.overlap and self.mode == "select":
+            raise ValueError("overlap=True needs mode='pool': overlapping windows would select a token twice")
+        super().validate()
+        if self.window is not None and self.overlapping and self.window == self.stride:
+            raise ValueError(
+                f"window ({self.window}) must be > stride ({self.stride}) with overlap=True; "
+                "leave window=None for 2 * stride or set overlap=False"
+            )
+        if self.window is not None and not self.overlapping and self.window != self.stride:
+            raise ValueError(f"window ({self.window}) must equal stride ({self.stride}) with overlap=False")
+
+    @property
+    def needs_scores_for_grid(self) -> bool:
+        return self.align
+
+    def post_init_from_model(self, model):
+        super().post_init_from_model(model)
+        self.n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+
+    # ------------------------------------------------------------------ grids
+    def stagger_shifts(self, layer_idx: int, heads: int, n_layers: int) -> torch.Tensor:
+        """``(heads,)`` shift added to the base offset of each head in layer ``layer_idx``.
+
+        The grids being staggered (heads, layers or both) get shifts ``floor(g * stride / G)`` for
+        ``g = 0 .. G-1``, spread evenly over the stride.
+        """
+        S = self.stride
+        h = torch.arange(heads)
+        if self.stagger == "none":
+            g, G = torch.zeros_like(h), 1
+        elif self.stagger == "head":
+            g, G = h, heads
+        elif self.stagger == "layer":
+            g, G = torch.full_like(h, layer_idx), n_layers
+        else:
+            g, G = layer_idx * heads + h, n_layers * heads
+        return torch.div(g * S, max(G, 1), rounding_mode="floor") % S
+
+    def aligned_offsets(self, scores: torch.Tensor) -> torch.Tensor:
+        """``(batch,)`` base offset per row whose boundaries cut the highest-scoring spans least."""
+        B, _, n = scores.shape
+        S = self.stride
+        u = scores.float().mean(dim=1)  # (B, n)
+        lo, hi = u.amin(dim=-1, keepdim=True), u.amax(dim=-1, keepdim=True)
+        u = (u - lo) / (hi - lo).clamp_min(1e-12)
+        cut = torch.minimum(u[:, :-1], u[:, 1:])  # cost of a boundary just before position b = 1 .. n-1
+        b = torch.arange(1, n, device=u.device)
+        inside = (b > self.n_sink) & (b < n - self.n_local)
+        cost = torch.zeros(B, S, device=u.device).index_add_(1, b[inside] % S, cut[:, inside])
+        return cost.argmin(dim=-1)
+
+    def grid_offsets(
+        self, module: nn.Module, scores: Optional[torch.Tensor], batch: int, heads: int, seq_len: int
+    ) -> Union[int, torch.Tensor]:
+        layer_idx = getattr(module, "layer_idx", 0)
+        n_layers = self.n_layers or getattr(getattr(module, "config", None), "num_hidden_layers", None) or self.stride
+        device = scores.device if scores is not None else None
+        shifts = self.stagger_shifts(layer_idx, heads, n_layers).to(device)
+        base = torch.full((batch, 1), self.offset, dtype=torch.long, device=device)
+        if self.align:
+            base = self.aligned_offsets(scores)[:, None]
+        return base + shifts[None, :]

@@ -1,0 +1,69 @@
+"""RoPE handling: the one place that knows how keys are rotated.
+
+Keys reach a press already rotated at their absolute positions. transformers rotates with the "rotate half"
+layout: for a rotary dimension ``r = 2 * len(inv_freq)`` (``r <= head_dim``; partial rotary leaves the rest of
+the head untouched), the pair ``(x[i], x[i + r/2])`` is rotated by the angle ``position * inv_freq[i]``.
+Rotations compose, so moving a key from position ``p`` to position ``q`` is a rotation by ``q - p``; un-rotating
+is a rotation by ``-p``. Attention scaling factors (YaRN, LongRoPE) multiply every key the same way and are
+preserved by these rotations.
+
+Only torch is imported here, so the kernels' references can use it without kvpress or transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotary_inv_freq(module: nn.Module) -> torch.Tensor:
+    """The inverse frequencies of the rotary embedding that ``module`` (an attention layer) uses.
+
+    kvpress attaches the model's rotary embedding to every attention layer as ``module.rotary_emb`` when a press
+    is applied. Models whose rotary embedding keeps one set of frequencies per layer type (Gemma3) are resolved
+    through ``module.config.layer_types``.
+
+    Raises
+    ------
+    ValueError
+        If the module has no rotary embedding (the message names the module's class).
+    """
+    rotary = getattr(module, "rotary_emb", None)
+    if rotary is None:
+        raise ValueError(
+            f"{type(module).__name__} has no rotary embedding (module.rotary_emb): RoPE-aware pooling "
+            "(rope='start', 'center' or 'centroid') needs one. Apply the press with `with press(model):` or the "
+            "kvpress pipeline, or use rope='none'."
+        )
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None:
+        layer_types = getattr(getattr(module, "config", None), "layer_types", None)
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_types is not None and layer_idx is not None:
+            inv_freq = getattr(rotary, f"{layer_types[layer_idx]}_inv_freq", None)
+    if inv_freq is None:
+        raise ValueError(
+            f"{type(rotary).__name__} attached to {type(module).__name__} exposes no inverse frequencies "
+            "(inv_freq); RoPE-aware pooling cannot un-rotate its keys. Use rope='none'."
+        )
+    head_dim = getattr(module, "head_dim", None)
+    if head_dim is not None and 2 * inv_freq.numel() > head_dim:
+        raise ValueError(
+            f"{type(module).__name__}: rotary dimension {2 * inv_freq.numel()} exceeds head_dim {head_dim}"
+        )
+    return inv_freq
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``(..., head_dim)``) by the angles ``positions * inv_freq``.
+
+    ``positions`` broadcasts against ``x.shape[:-1]`` and may be fractional or negative (a negative position
+    un-rotates). The rotation is computed in float32 and returned in float32; only the first
+    ``2 * len(inv_freq)`` dimensions change.
+    """
+    half = inv_freq.numel()
+    x = x.float()
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(device=x.device, dtype=torch.float32)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
