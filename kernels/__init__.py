@@ -95,7 +95,7 @@ def select_windows(
     if resolve_backend(keys, backend) == "triton":
         from . import triton_ops
 
-        reason = triton_ops.unsupported(keys, values, layout, mode="select")
+        reason = triton_ops.unsupported(keys, values, layout, mode="select", scores=scores)
         if reason is None:
             return triton_ops.select_windows(keys, values, scores, layout)
         _fallback(reason, _forced(backend))
@@ -117,7 +117,10 @@ def pool_windows(
     if resolve_backend(keys, backend) == "triton":
         from . import triton_ops
 
-        reason = triton_ops.unsupported(keys, values, layout, mode="pool", rope=rope, inv_freq=inv_freq)
+        reason = triton_ops.unsupported(
+            keys, values, layout, mode="pool", rope=rope, inv_freq=inv_freq,
+            scores=scores if weighting == "score" else None,
+        )
         if reason is None:
             return triton_ops.pool_windows(
                 keys, values, layout, scores=scores, weighting=weighting, rope=rope, inv_freq=inv_freq

@@ -169,8 +169,8 @@ def pool_windows(
         mix = member.expand(layout.batch, layout.heads, layout.n_windows, W, k)
     else:
         s = _windows(scores.float(), layout)[..., None]  # (B, H, nw, W, 1)
-        gmax = s.masked_fill(member == 0, float("-inf")).amax(dim=-2, keepdim=True)  # (B, H, nw, 1, k)
-        mix = torch.exp(s - gmax) * member
+        s = s.masked_fill(member == 0, float("-inf"))  # (B, H, nw, W, k): only the group's own slots
+        mix = torch.exp(s - s.amax(dim=-2, keepdim=True))
     mix = mix / mix.sum(dim=-2, keepdim=True)
 
     pos = layout.window_positions().clamp(max=layout.seq_len - 1)  # (B, H, nw, W)
@@ -178,18 +178,26 @@ def pool_windows(
 
     kw = _windows(keys, layout)  # (B, H, nw, W, D)
     vw = _windows(values, layout)
-    if rope != "none":
-        kw = rotate(kw, -pos, inv_freq)
-    merged_k = mix.transpose(-1, -2) @ kw.float()  # (B, H, nw, k, D)
-    merged_v = mix.transpose(-1, -2) @ vw.float()
-    if rope != "none":
+    if rope == "none":
+        merged_k = mix.transpose(-1, -2) @ kw.float()  # (B, H, nw, k, D)
+    else:
+        # Un-rotating at p_i and re-rotating at rep is one rotation by rep - p_i. Split it at the window start
+        # ws: rotate every slot by ws - p_i (a (W,) table unless slots were clamped at the end), pool, then
+        # rotate each merged entry by rep - ws.
+        ws = layout.window_starts()[..., None]  # (B, H, nw, 1)
+        rel = pos - ws
+        slots = torch.arange(W, device=device)
+        if bool((rel == slots).all()):
+            rel = slots
+        merged_k = mix.transpose(-1, -2) @ rotate(kw, -rel, inv_freq)
         if rope == "start":
             rep = group_start.float()
         elif rope == "center":
             rep = (group_start + pos[..., [h - 1 for h in hi]]).float() / 2
         else:
             rep = (mix * pos[..., None].float()).sum(dim=-2)
-        merged_k = rotate(merged_k, rep, inv_freq)
+        merged_k = rotate(merged_k, rep - ws, inv_freq)
+    merged_v = mix.transpose(-1, -2) @ vw.float()
 
     new_keys = _assemble(keys, _to_dtype(merged_k, keys.dtype).flatten(2, 3), layout)
     new_values = _assemble(values, _to_dtype(merged_v, values.dtype).flatten(2, 3), layout)

@@ -58,12 +58,21 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> 
     """Rotate ``x`` (``(..., head_dim)``) by the angles ``positions * inv_freq``.
 
     ``positions`` broadcasts against ``x.shape[:-1]`` and may be fractional or negative (a negative position
-    un-rotates). The rotation is computed in float32 and returned in float32; only the first
-    ``2 * len(inv_freq)`` dimensions change.
+    un-rotates). The rotation is computed and returned in float32; only the first ``2 * len(inv_freq)``
+    dimensions change. Angles are computed once per distinct entry of ``positions``, so a small table that
+    broadcasts over a large ``x`` costs no more than the multiply-adds.
     """
     half = inv_freq.numel()
-    x = x.float()
-    angles = positions.to(torch.float32)[..., None] * inv_freq.to(device=x.device, dtype=torch.float32)
+    angles = positions.to(device=x.device, dtype=torch.float32)[..., None] * inv_freq.to(x.device, torch.float32)
     cos, sin = angles.cos(), angles.sin()
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+    shape = torch.broadcast_shapes(x.shape[:-1], positions.shape) + (x.shape[-1],)
+    x = x.float()
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    out = torch.empty(shape, dtype=torch.float32, device=x.device)
+    y1, y2 = out[..., :half], out[..., half : 2 * half]
+    torch.mul(x1, cos, out=y1) if y1.shape == torch.broadcast_shapes(x1.shape, cos.shape) else y1.copy_(x1 * cos)
+    y1.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=y2) if y2.shape == torch.broadcast_shapes(x2.shape, cos.shape) else y2.copy_(x2 * cos)
+    y2.addcmul_(x1, sin)
+    out[..., 2 * half :] = x[..., 2 * half :]
+    return out

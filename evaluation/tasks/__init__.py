@@ -1,0 +1,331 @@
+"""Seeded, phase-controlled task generators (RULER- and LongBench-style) and their scoring.
+
+Usage::
+
+    from kvpress_phase.evaluation.tasks import generate
+    ds = generate("niah_single", tokenizer, n_samples=20, context_length=512, stride=8, phases=range(8))
+
+Every row follows kvpress's evaluation schema (``context``, ``question``, ``answer_prefix``, ``answer``,
+``task``, ``max_new_tokens``) and says where its answer-bearing needle sits in the prefill sequence
+(``needle_token_start/end``, ``answer_token_start/end``), at which ``phase`` its first answer token lies for
+windows every ``stride`` tokens starting at ``offset``, and everything needed to regenerate it.
+
+Two protocols put a base example at each requested phase:
+
+* ``"prefix"``: the window offset stays ``offset``; filler words are inserted right before the answer-bearing
+  needle until its first answer token lands on the phase, and the trailing haystack is shortened by as many
+  tokens, so the context length is the same at every phase.
+* ``"offset"``: the text is the same at every phase; the row's ``offset`` is set to
+  ``(answer_token_start - phase) mod stride``, the grid offset under which the answer sits at the phase.
+
+Seeds: evaluation examples come from ``derive_seed("eval", task, seed, sample index)`` with
+``0 <= seed < 10**6``; :func:`training_example` draws from the separate ``"train"`` domain (see
+:mod:`.base`), so training and evaluation data never share a random stream.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from kvpress_phase.phase import phase_of
+
+from ..prompting import context_prefix_length, context_token_ids, question_token_ids
+from . import niah, passages, qa, vt
+from .base import EVAL_SEED_LIMIT, TAIL_RESERVE, Assembler, BuildContext, Draft, derive_seed, single_token_words
+from .vocab import PAD_WORDS
+
+PROTOCOLS = ("prefix", "offset")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One registered task.
+
+    Attributes
+    ----------
+    name : str
+        Registry name.
+    family : str
+        ``"ruler"`` or ``"longbench"``.
+    build : callable
+        ``build(BuildContext) -> Draft``, the seeded base-example builder.
+    options : dict
+        Task options and their defaults (``generate(..., **options)`` overrides them).
+    max_new_tokens : int
+        Generation budget with the word-level tokenizer (raised per row when an answer needs more tokens).
+    require_all : bool
+        Scoring rule: every reference must appear (True), or any one of them (False).
+    description : str
+        One line.
+    """
+
+    name: str
+    family: str
+    build: Callable[[BuildContext], Draft]
+    options: dict
+    max_new_tokens: int
+    require_all: bool
+    description: str
+
+
+TASKS: dict[str, TaskSpec] = {
+    spec.name: spec
+    for spec in [
+        TaskSpec("niah_single", "ruler", niah.build_single, niah.SINGLE_OPTIONS, 8, True,
+                 "one needle; return its value"),
+        TaskSpec("niah_multikey", "ruler", niah.build_multikey, niah.MULTIKEY_OPTIONS, 8, True,
+                 "one needle among needles with other keys"),
+        TaskSpec("niah_multivalue", "ruler", niah.build_multivalue, niah.MULTIVALUE_OPTIONS, 24, True,
+                 "several values for one key; return all"),
+        TaskSpec("niah_multiquery", "ruler", niah.build_multiquery, niah.MULTIQUERY_OPTIONS, 24, True,
+                 "several keys asked at once; return all values"),
+        TaskSpec("vt", "ruler", vt.build, vt.OPTIONS, 16, True,
+                 "variable tracking: every variable that holds a value"),
+        TaskSpec("qa_single_doc", "longbench", qa.build_single, qa.SINGLE_OPTIONS, 6, False,
+                 "one fact about one person in a report about many"),
+        TaskSpec("qa_multi_doc", "longbench", qa.build_multi, qa.MULTI_OPTIONS, 6, False,
+                 "one fact about one person across several documents"),
+        TaskSpec("passage_retrieval", "longbench", passages.build_retrieval, passages.RETRIEVAL_OPTIONS, 6, False,
+                 "which paragraph holds a quoted sentence"),
+        TaskSpec("passage_count", "longbench", passages.build_count, passages.COUNT_OPTIONS, 4, False,
+                 "number of different paragraphs when some are repeated"),
+    ]
+}
+
+
+def get_task(name: str) -> TaskSpec:
+    """The :class:`TaskSpec` registered as ``name``; ValueError listing the valid names otherwise."""
+    try:
+        return TASKS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown task {name!r}; valid task names: {', '.join(TASKS)}") from None
+
+
+def list_tasks() -> list[str]:
+    return list(TASKS)
+
+
+# --------------------------------------------------------------------------------------------- scoring
+def _found(reference: str, prediction: str, whole_words: bool) -> bool:
+    ref, pred = reference.strip().lower(), prediction.lower()
+    if not whole_words:
+        return ref in pred
+    return re.search(r"(?<![0-9a-z])" + re.escape(ref) + r"(?![0-9a-z])", pred) is not None
+
+
+def score(prediction: str, answers: Iterable[str] | str, task: str, whole_words: bool = True) -> float:
+    """1.0 when ``prediction`` holds the answers, else 0.0 (case-insensitive substring match).
+
+    All references must appear for the RULER-style tasks (multi-value, multi-query, variable tracking), any
+    one for the LongBench-style tasks. With ``whole_words`` (default) a reference must not be glued to a
+    letter or digit on either side, so "Paragraph 1" does not match "Paragraph 12" and "7" does not match
+    "17"; ``whole_words=False`` is kvpress's plain substring rule.
+    """
+    refs = [answers] if isinstance(answers, str) else list(answers)
+    if not refs:
+        raise ValueError("answers must hold at least one reference")
+    hits = [_found(r, prediction, whole_words) for r in refs]
+    return float(all(hits) if get_task(task).require_all else any(hits))
+
+
+# --------------------------------------------------------------------------------------------- generation
+def _resolve_options(spec: TaskSpec, task_options: dict) -> dict:
+    unknown = sorted(set(task_options) - set(spec.options))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for task {spec.name!r}; valid options: "
+            f"{', '.join(sorted(spec.options)) or 'none'}"
+        )
+    return {**spec.options, **task_options}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _draft(spec: TaskSpec, tokenizer, rng: random.Random, context_length: int, stride: int, options: dict):
+    reserve = max(TAIL_RESERVE, stride + 8)
+    budget = context_length - context_prefix_length(tokenizer) - reserve
+    if budget <= 0:
+        raise ValueError(f"context_length={context_length} is too small (at least {reserve + 32} tokens)")
+    ctx = BuildContext(tokenizer=tokenizer, rng=rng, budget=budget, options=options)
+    return ctx, spec.build(ctx)
+
+
+def _pad_words(tokenizer, rng: random.Random, stride: int) -> list[str]:
+    words = single_token_words(tokenizer, PAD_WORDS)
+    if not words:
+        raise ValueError("the tokenizer has no single-token filler word; prefix padding is impossible")
+    return [rng.choice(words) for _ in range(max(64, 4 * stride))]
+
+
+def _max_new_tokens(spec: TaskSpec, tokenizer, completion: str) -> int:
+    return max(spec.max_new_tokens, len(tokenizer.encode(" " + completion, add_special_tokens=False)) + 2)
+
+
+def generate(
+    task_name: str,
+    tokenizer,
+    *,
+    n_samples: int,
+    context_length: int,
+    stride: int,
+    phases: Iterable[int],
+    protocol: str = "prefix",
+    offset: int = 0,
+    seed: int = 0,
+    **task_options,
+):
+    """Generate a phase-controlled evaluation set as a ``datasets.Dataset``.
+
+    Parameters
+    ----------
+    task_name : str
+        A name of :data:`TASKS`.
+    tokenizer : transformers fast tokenizer
+        The tokenizer the model uses (positions and lengths are counted with it).
+    n_samples : int
+        Base examples; each is placed at every phase, so the set has ``n_samples * len(phases)`` rows.
+    context_length : int
+        Prefill length in tokens (BOS included), hit exactly unless the tokenizer makes that impossible.
+    stride : int
+        Window stride S; phases are in ``[0, S)``.
+    phases : iterable of int
+        Phases to place the first answer token at.
+    protocol : {"prefix", "offset"}
+        How examples are placed at a phase (see the module docstring).
+    offset : int
+        Window grid offset in ``[0, stride)`` used by the ``"prefix"`` protocol (ignored by ``"offset"``).
+    seed : int
+        Evaluation seed in ``[0, 10**6)``.
+    **task_options
+        Task-specific options (see ``TASKS[task_name].options``).
+
+    Rows are ordered by sample, then by phase in the order given.
+    """
+    import datasets
+
+    spec = get_task(task_name)
+    options = _resolve_options(spec, task_options)
+    if not _is_int(n_samples) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")
+    if not _is_int(stride) or stride < 1:
+        raise ValueError(f"stride must be a positive integer, got {stride!r}")
+    if not _is_int(context_length) or context_length < 1:
+        raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
+    phases = list(phases)
+    if not phases or any(not _is_int(p) or not 0 <= p < stride for p in phases):
+        raise ValueError(f"phases must be a non-empty list of integers in [0, stride={stride}), got {phases!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if not _is_int(offset) or not 0 <= offset < stride:
+        raise ValueError(f"offset must be an integer in [0, stride={stride}), got {offset!r}")
+    if not _is_int(seed) or not 0 <= seed < EVAL_SEED_LIMIT:
+        raise ValueError(f"seed must be an integer in [0, {EVAL_SEED_LIMIT}) for evaluation sets, got {seed!r}")
+
+    rows = []
+    for index in range(n_samples):
+        rng = random.Random(derive_seed("eval", spec.name, seed, index))
+        ctx, draft = _draft(spec, tokenizer, rng, context_length, stride, options)
+        assembler = Assembler(
+            draft,
+            tokenizer,
+            context_length,
+            tail_rng=random.Random(derive_seed("eval-tail", spec.name, seed, index)),
+            pad_words=_pad_words(tokenizer, random.Random(derive_seed("eval-pad", spec.name, seed, index)), stride),
+        )
+        base = assembler.fit(0) if protocol == "offset" else None
+        for p in phases:
+            if protocol == "offset":
+                placed, row_offset = base, (base.answer_span[0] - p) % stride
+            else:
+                placed, _ = assembler.at_phase(p, stride, offset)
+                row_offset = offset
+            assert phase_of(placed.answer_span[0], stride, row_offset) == p
+            rows.append(
+                {
+                    "context": placed.context,
+                    "question": draft.question,
+                    "answer_prefix": draft.answer_prefix,
+                    "answer": list(draft.answers),
+                    "task": spec.name,
+                    "max_new_tokens": _max_new_tokens(spec, tokenizer, draft.completion),
+                    "needle_token_start": placed.needle_span[0],
+                    "needle_token_end": placed.needle_span[1],
+                    "answer_token_start": placed.answer_span[0],
+                    "answer_token_end": placed.answer_span[1],
+                    "answer_span_text": draft.answer_span_text,
+                    "phase": p,
+                    "stride": stride,
+                    "offset": row_offset,
+                    "protocol": protocol,
+                    "context_length": placed.n_tokens,
+                    "seed": seed,
+                    "sample_id": index,
+                    "depth": float(draft.depth),
+                }
+            )
+    return datasets.Dataset.from_list(rows)
+
+
+def training_example(
+    task_name: str,
+    tokenizer,
+    rng_or_seed,
+    context_length: int,
+    **task_options,
+) -> dict:
+    """One training sequence: ``input_ids`` and a ``loss_mask`` that marks the answer tokens and EOS.
+
+    ``input_ids`` = prefill context ids (as the pipeline builds them) + question ids (``question``, the
+    pipeline's suffix, ``answer_prefix``) + answer ids + EOS. ``rng_or_seed`` is a ``random.Random`` (drawn
+    from), a ``numpy.random.Generator`` (drawn from), or an int seed of the ``"train"`` domain, disjoint from
+    every evaluation seed. The answer sits at whatever phase the draw gives.
+    """
+    spec = get_task(task_name)
+    options = _resolve_options(spec, task_options)
+    if not _is_int(context_length) or context_length < 1:
+        raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
+    if isinstance(rng_or_seed, random.Random):
+        sample_seed = rng_or_seed.getrandbits(63)
+    elif _is_int(rng_or_seed):
+        sample_seed = derive_seed("train", spec.name, rng_or_seed, 0)
+    elif hasattr(rng_or_seed, "integers"):
+        sample_seed = int(rng_or_seed.integers(0, 2**63 - 1))
+    else:
+        raise ValueError(f"rng_or_seed must be a random.Random, a numpy Generator or an int, got {rng_or_seed!r}")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token")
+    rng = random.Random(derive_seed("train", spec.name, sample_seed, 1))
+    _, draft = _draft(spec, tokenizer, rng, context_length, 1, options)
+    assembler = Assembler(
+        draft,
+        tokenizer,
+        context_length,
+        tail_rng=random.Random(derive_seed("train-tail", spec.name, sample_seed, 1)),
+        pad_words=_pad_words(tokenizer, random.Random(derive_seed("train-pad", spec.name, sample_seed, 1)), 1),
+    )
+    placed = assembler.fit(0)
+    context_ids = context_token_ids(tokenizer, placed.context)
+    question_ids = question_token_ids(tokenizer, draft.question, draft.answer_prefix)
+    glue = "" if not draft.answer_prefix or draft.answer_prefix[-1].isspace() else " "
+    answer_ids = list(tokenizer.encode(glue + draft.completion, add_special_tokens=False))
+    input_ids = context_ids + question_ids + answer_ids + [tokenizer.eos_token_id]
+    loss_mask = [0] * (len(context_ids) + len(question_ids)) + [1] * (len(answer_ids) + 1)
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+__all__ = [
+    "TASKS",
+    "TaskSpec",
+    "generate",
+    "get_task",
+    "list_tasks",
+    "score",
+    "training_example",
+    "EVAL_SEED_LIMIT",
+    "derive_seed",
+]

@@ -163,8 +163,7 @@ class WindowedPress(BasePress):
         self.validate()
         layer_idx = getattr(module, "layer_idx", 0)
         seq_len = keys.shape[2]
-        if self.compression_ratio == 0 or getattr(module, "is_sliding", False):
-            # sliding-window layers keep their own bounded cache; compressing it would break its bookkeeping
+        if self.compression_ratio == 0:
             self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
             return keys, values
 

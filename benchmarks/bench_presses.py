@@ -1,0 +1,186 @@
+"""CPU speed and memory of the presses' compress step on one layer, next to kvpress ChunkPress and a plain copy.
+
+Keys and values of shape (1, heads, N, head_dim) in float32. For every N, in one run:
+
+- ``copy``: ``keys.clone(); values.clone()``, the memory-bound limit;
+- ``chunked_select``, ``chunked_pool`` (and the other pool variants): ``ChunkedStridePress.compress``;
+- ``phase_aware``: ``PhaseAwarePress.compress`` with its defaults;
+- ``kvpress_chunk``: ``ChunkPress(KnormPress(r), chunk_length=stride).compress``.
+
+Time is the median of ``--repeats`` runs after one warm-up. Peak extra memory is measured in a fresh process per
+case: the growth of the peak resident set (``ru_maxrss``) during one compress, relative to the layer's KV size.
+
+    python benchmarks/bench_presses.py --sizes 4096,16384,65536 --output BENCHMARKS-presses.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def make_module(head_dim: int):
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    module.head_dim = head_dim
+    module.rotary_emb = torch.nn.Module()
+    module.rotary_emb.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)))
+    return module
+
+
+def make_case(name: str, ratio: float, stride: int):
+    from kvpress import ChunkPress, KnormPress
+
+    from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+
+    cases = {
+        "chunked_select": lambda: ChunkedStridePress(ratio, stride=stride, window=stride, mode="select"),
+        "chunked_pool": lambda: ChunkedStridePress(ratio, stride=stride, window=stride, mode="pool"),
+        "chunked_pool_none": lambda: ChunkedStridePress(ratio, stride=stride, window=stride, mode="pool", rope="none"),
+        "chunked_pool_score_centroid": lambda: ChunkedStridePress(
+            ratio, stride=stride, window=stride, mode="pool", weighting="score", rope="centroid"
+        ),
+        "phase_aware": lambda: PhaseAwarePress(ratio, stride=stride),
+        "kvpress_chunk": lambda: ChunkPress(KnormPress(ratio), chunk_length=stride),
+    }
+    if name == "copy":
+        return None
+    return cases[name]()
+
+
+CASES = (
+    "copy",
+    "chunked_select",
+    "chunked_pool",
+    "chunked_pool_none",
+    "chunked_pool_score_centroid",
+    "phase_aware",
+    "kvpress_chunk",
+)
+
+
+def run_once(press, module, keys, values, hidden):
+    if press is None:
+        return keys.clone(), values.clone()
+    return press.compress(module, hidden, keys, values, None, {})
+
+
+def inputs(n: int, heads: int, head_dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, heads, n, head_dim, generator=g)
+    values = torch.randn(1, heads, n, head_dim, generator=g)
+    hidden = torch.empty(1, n, 1)  # scorers used here ignore hidden states; ChunkPress slices them
+    return keys, values, hidden
+
+
+def time_case(name, n, args):
+    keys, values, hidden = inputs(n, args.heads, args.head_dim)
+    module = make_module(args.head_dim)
+    press = make_case(name, args.ratio, args.stride)
+    run_once(press, module, keys, values, hidden)
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        run_once(press, module, keys, values, hidden)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def memory_child(name: str, n: int, heads: int, head_dim: int, ratio: float, stride: int) -> None:
+    """Run in a fresh process: print the peak RSS growth of one compress, in bytes."""
+    keys, values, hidden = inputs(n, heads, head_dim)
+    module = make_module(head_dim)
+    press = make_case(name, ratio, stride)
+    # touch the code paths on a tiny input so imports and lazy initialisation are not counted
+    small = inputs(256, heads, head_dim)
+    run_once(press, module, *small)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = run_once(press, module, keys, values, hidden)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    del out
+    print(json.dumps({"extra_bytes": (after - before) * 1024}))
+
+
+def peak_extra(name, n, args) -> float:
+    cmd = [sys.executable, __file__, "--memory-child", name, "--sizes", str(n), "--heads", str(args.heads),
+           "--head-dim", str(args.head_dim), "--ratio", str(args.ratio), "--stride", str(args.stride)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return json.loads(out)["extra_bytes"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="4096,16384,65536", help="comma-separated sequence lengths N")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--stride", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory processes")
+    parser.add_argument("--output", help="append the Markdown report to this file")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.memory_child:
+        memory_child(args.memory_child, sizes[0], args.heads, args.head_dim, args.ratio, args.stride)
+        return 0
+
+    cases = args.cases.split(",")
+    rows = {}
+    for n in sizes:
+        kv_bytes = 2 * args.heads * n * args.head_dim * 4
+        for name in cases:
+            t = time_case(name, n, args)
+            mem = None if args.no_memory or name == "copy" else peak_extra(name, n, args) / kv_bytes
+            rows[(name, n)] = (t, mem)
+            print(f"N={n:>6} {name:<28} {t * 1e3:9.2f} ms" + (f"  peak extra {mem:.2f}x KV" if mem is not None else ""),
+                  file=sys.stderr)
+
+    lines = [
+        f"### Presses on CPU, {datetime.date.today().isoformat()}",
+        "",
+        f"Command: `python benchmarks/bench_presses.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}, Python {platform.python_version()}",
+        f"Shape (1, {args.heads}, N, {args.head_dim}) float32, compression_ratio {args.ratio}, stride {args.stride}; "
+        f"median of {args.repeats} runs.",
+        "",
+        "| case | " + " | ".join(f"N={n} ms" for n in sizes) + " | x copy @" + str(sizes[min(1, len(sizes) - 1)])
+        + " | peak extra (x KV) | t(last)/t(prev) |",
+        "|---" * (len(sizes) + 4) + "|",
+    ]
+    mid = sizes[min(1, len(sizes) - 1)]
+    for name in cases:
+        times = [rows[(name, n)][0] for n in sizes]
+        vs_copy = rows[(name, mid)][0] / rows[("copy", mid)][0] if "copy" in cases else float("nan")
+        mems = [rows[(name, n)][1] for n in sizes if rows[(name, n)][1] is not None]
+        scale = times[-1] / times[-2] if len(times) > 1 else float("nan")
+        lines.append(
+            f"| {name} | " + " | ".join(f"{t * 1e3:.1f}" for t in times) + f" | {vs_copy:.2f} | "
+            + (f"{max(mems):.2f}" if mems else "-") + f" | {scale:.2f} |"
+        )
+    if "kvpress_chunk" in cases:
+        ref = rows[("kvpress_chunk", mid)][0]
+        lines.append("")
+        lines.append(f"Speed-up over kvpress ChunkPress at N={mid}: " + ", ".join(
+            f"{name} {ref / rows[(name, mid)][0]:.1f}x" for name in cases if name.startswith(("chunked", "phase"))))
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.output:
+        with open(args.output, "a") as fh:
+            fh.write(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,362 @@
+"""Machinery shared by all task generators: drafts, exact-length assembly, phase placement and seeds.
+
+A task builder turns a seeded random generator into a :class:`Draft`: the blocks of text of one example in
+order (haystack sentences, needles, document headers, paragraphs), which of them is the answer-bearing needle,
+where the phase-defining answer value sits inside it, and the question. The code here then
+
+1. appends a *trailing zone* of haystack words after the last block and sizes it so that the prefill sequence
+   (as kvpress's pipeline builds it, BOS included) has exactly the requested number of tokens;
+2. places the example at each requested phase: under the ``"prefix"`` protocol by inserting filler words
+   right before the answer-bearing block (and trimming the trailing zone by as many tokens), under the
+   ``"offset"`` protocol by leaving the text alone and reporting the window offset that puts the answer at
+   the phase;
+3. checks every position by re-tokenising the prefill text, so it works with any fast tokenizer.
+
+Seeds
+-----
+Every random draw comes from a generator seeded by :func:`derive_seed` ``(domain, task, seed, index)``, a hash,
+so examples do not depend on the order in which they are generated. Evaluation sets use the domain
+``"eval"`` and require ``0 <= seed < EVAL_SEED_LIMIT``; training examples use the domain ``"train"``. The two
+domains are disjoint hash streams, so no training example is drawn from an evaluation seed whatever integers
+are chosen on either side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from ..prompting import encode_with_offsets, offsets_to_token_span
+from kvpress_phase.phase import phase_of
+from . import vocab
+
+EVAL_SEED_LIMIT = 10**6
+"""Evaluation seeds are integers in ``[0, EVAL_SEED_LIMIT)``."""
+
+TAIL_RESERVE = 24
+"""Minimum tokens of the trailing zone when strides are at most 16 (``max(TAIL_RESERVE, stride + 8)``)."""
+
+
+def derive_seed(domain: str, task: str, seed: int, index: int) -> int:
+    """A 64-bit seed for one example, from its domain (``"eval"`` or ``"train"`` and a purpose), task, seed, index."""
+    digest = hashlib.sha256(f"kvpress-phase|{domain}|{task}|{seed}|{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+# --------------------------------------------------------------------------------------------- drafts
+@dataclass
+class Block:
+    """One piece of context text.
+
+    ``sep`` is written before the block (and dropped for the very first piece of the context). ``answer`` is,
+    for the answer-bearing block only, the character span inside ``text`` of the value whose first token
+    defines the phase.
+    """
+
+    text: str
+    sep: str = " "
+    answer: Optional[tuple[int, int]] = None
+
+
+@dataclass
+class Draft:
+    """A base example, before its length is fixed and before it is placed at a phase."""
+
+    blocks: list[Block]
+    target: int
+    """Index in ``blocks`` of the answer-bearing block."""
+    hay: Callable[[random.Random], str]
+    """Draws one haystack sentence for the trailing zone."""
+    question: str
+    answer_prefix: str
+    answers: list[str]
+    completion: str
+    """What a model should generate after the answer prefix (the training target)."""
+    depth: float
+    tail_sep: str = " "
+
+    @property
+    def answer_span_text(self) -> str:
+        block = self.blocks[self.target]
+        s, e = block.answer
+        return block.text[s:e]
+
+
+@dataclass
+class BuildContext:
+    """What a builder gets: the tokenizer, its random generator, its token budget and its options."""
+
+    tokenizer: object
+    rng: random.Random
+    budget: int
+    options: dict
+    _counts: dict = field(default_factory=dict)
+
+    def count(self, text: str) -> int:
+        """Tokens of ``text`` when it follows other text (an estimate for non word-level tokenizers)."""
+        n = self._counts.get(text)
+        if n is None:
+            n = len(self.tokenizer.encode(text, add_special_tokens=False))
+            self._counts[text] = n
+        return n
+
+    def block_tokens(self, block: Block) -> int:
+        return self.count(block.sep + block.text)
+
+    def depth(self) -> float:
+        """The requested needle depth, or a uniform draw in [0, 1] when the ``depth`` option is None."""
+        d = self.options.get("depth")
+        return self.rng.random() if d is None else float(d)
+
+    def too_short(self, needed: int) -> ValueError:
+        return ValueError(
+            f"context_length is too small for this task and these options: the blocks need about {needed} "
+            f"tokens, {self.budget} are available"
+        )
+
+
+# --------------------------------------------------------------------------------------------- haystacks
+class NoiseHay:
+    """The "noise" haystack: :data:`vocab.NOISE_SENTENCES` repeated in order from a random first sentence."""
+
+    def __init__(self, rng: random.Random):
+        self.i = rng.randrange(len(vocab.NOISE_SENTENCES))
+
+    def __call__(self, rng: random.Random) -> str:
+        s = vocab.NOISE_SENTENCES[self.i % len(vocab.NOISE_SENTENCES)]
+        self.i += 1
+        return s
+
+
+def essay_hay(rng: random.Random) -> str:
+    return vocab.essay_sentence(rng)
+
+
+class NeedleHay:
+    """A haystack of distractor needles whose keys are not among ``exclude``."""
+
+    def __init__(self, exclude, groups: int):
+        self.keys = [k for k in vocab.KEYS if k not in set(exclude)]
+        self.groups = groups
+
+    def __call__(self, rng: random.Random) -> str:
+        return vocab.NEEDLE.format(key=rng.choice(self.keys), value=vocab.random_value(rng, self.groups))
+
+
+HAYSTACKS = ("noise", "essay", "needle")
+
+
+def make_hay(kind: str, rng: random.Random, exclude=(), groups: int = 2) -> Callable[[random.Random], str]:
+    if kind == "noise":
+        return NoiseHay(rng)
+    if kind == "essay":
+        return essay_hay
+    if kind == "needle":
+        return NeedleHay(exclude, groups)
+    raise ValueError(f"haystack must be one of {HAYSTACKS}, got {kind!r}")
+
+
+def fill_sentences(ctx: BuildContext, hay: Callable[[random.Random], str], n_tokens: int) -> list[str]:
+    """Haystack sentences totalling at most ``n_tokens`` (estimated), stopping at the first that would overflow."""
+    out: list[str] = []
+    total = 0
+    while True:
+        s = hay(ctx.rng)
+        c = ctx.count(" " + s)
+        if total + c > n_tokens:
+            return out
+        out.append(s)
+        total += c
+
+
+def place_in_hay(
+    ctx: BuildContext, hay: Callable[[random.Random], str], needles: list[tuple[Block, float]], budget: int
+) -> tuple[list[Block], list[int]]:
+    """Insert ``needles`` (block, relative depth) between haystack sentences filling ``budget`` tokens.
+
+    A needle goes to the sentence boundary nearest to its depth (a fraction of the haystack tokens). Needles
+    at the same boundary keep the order of ``needles``. Returns the blocks and the index of each needle in them.
+    """
+    needed = sum(ctx.block_tokens(b) for b, _ in needles)
+    if needed > budget:
+        raise ctx.too_short(needed)
+    sentences = fill_sentences(ctx, hay, budget - needed)
+    cum = [0]
+    for s in sentences:
+        cum.append(cum[-1] + ctx.count(" " + s))
+    total = cum[-1]
+    slots = []
+    for order, (block, d) in enumerate(needles):
+        goal = d * total
+        j = min(range(len(cum)), key=lambda i: (abs(cum[i] - goal), i))
+        slots.append((j, order))
+    slots.sort()
+    blocks: list[Block] = []
+    where = [0] * len(needles)
+    k = 0
+    for j in range(len(sentences) + 1):
+        while k < len(slots) and slots[k][0] == j:
+            where[slots[k][1]] = len(blocks)
+            blocks.append(needles[slots[k][1]][0])
+            k += 1
+        if j < len(sentences):
+            blocks.append(Block(sentences[j]))
+    return blocks, where
+
+
+def check_depth(options: dict) -> None:
+    d = options.get("depth")
+    if d is not None and not (isinstance(d, (int, float)) and 0.0 <= d <= 1.0):
+        raise ValueError(f"depth must be None or a number in [0, 1], got {d!r}")
+
+
+def check_int(options: dict, name: str, low: int, high: Optional[int] = None, allow_none: bool = False) -> None:
+    v = options.get(name)
+    if v is None and allow_none:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v < low or (high is not None and v > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {bound}{' or None' if allow_none else ''}, got {v!r}")
+
+
+# --------------------------------------------------------------------------------------------- assembly
+@dataclass
+class Placed:
+    """A concrete context and the positions of its answer-bearing needle in the prefill sequence."""
+
+    context: str
+    n_tokens: int
+    needle_span: tuple[int, int]
+    answer_span: tuple[int, int]
+
+
+class Assembler:
+    """Turns a draft into contexts of exactly ``length`` prefill tokens, with or without prefix padding."""
+
+    def __init__(self, draft: Draft, tokenizer, length: int, tail_rng: random.Random, pad_words: list[str]):
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.length = length
+        self.tail_rng = tail_rng
+        self.tail: list[str] = []
+        self.pad_words = pad_words
+        self._counts: dict[str, int] = {}
+
+    # ---- text
+    def _tail_words(self, n: int) -> list[str]:
+        while len(self.tail) < n:
+            self.tail.extend(self.draft.hay(self.tail_rng).split(" "))
+        return self.tail[:n]
+
+    def render(self, n_pad: int, n_tail: int, n_fill: int = 0) -> tuple[str, tuple[int, int], tuple[int, int]]:
+        """Context text, the needle's character span and the answer's character span."""
+        parts: list[str] = []
+        pos = 0
+
+        def put(sep: str, text: str) -> int:
+            nonlocal pos
+            if parts:
+                parts.append(sep)
+                pos += len(sep)
+            start = pos
+            parts.append(text)
+            pos += len(text)
+            return start
+
+        needle = answer = None
+        for i, block in enumerate(self.draft.blocks):
+            if i == self.draft.target:
+                sep = block.sep
+                for w in self.pad_words[:n_pad]:
+                    put(sep, w)
+                    sep = " "
+                start = put(sep, block.text)
+                needle = (start, start + len(block.text))
+                answer = (start + block.answer[0], start + block.answer[1])
+            else:
+                put(block.sep, block.text)
+        words = self._tail_words(n_tail) + self.pad_words[:n_fill]
+        for j, w in enumerate(words):
+            put(self.draft.tail_sep if j == 0 else " ", w)
+        return "".join(parts), needle, answer
+
+    def measure(self, n_pad: int, n_tail: int, n_fill: int = 0) -> Placed:
+        context, needle, answer = self.render(n_pad, n_tail, n_fill)
+        ids, offsets, start = encode_with_offsets(self.tokenizer, context)
+        return Placed(
+            context=context,
+            n_tokens=len(ids),
+            needle_span=offsets_to_token_span(offsets, start + needle[0], start + needle[1]),
+            answer_span=offsets_to_token_span(offsets, start + answer[0], start + answer[1]),
+        )
+
+    def _count(self, word: str) -> int:
+        n = self._counts.get(word)
+        if n is None:
+            n = len(self.tokenizer.encode(" " + word, add_special_tokens=False))
+            self._counts[word] = n
+        return n
+
+    # ---- exact length
+    def fit(self, n_pad: int) -> Placed:
+        """Size the trailing zone so that the prefill has exactly ``length`` tokens (or as close as possible).
+
+        Tail words are taken while their estimated counts fit; a remaining gap left by a multi-token word is
+        closed with single-token filler words. Every candidate is verified by re-tokenising.
+        """
+        placed = self.measure(n_pad, 0)
+        if placed.n_tokens > self.length:
+            raise ValueError(
+                f"context_length={self.length} is too small: the example needs {placed.n_tokens} tokens "
+                f"before its trailing haystack"
+            )
+        n_tail, total, gap = 0, placed.n_tokens, self.length - placed.n_tokens
+        while True:
+            c = self._count(self._tail_words(n_tail + 1)[n_tail])
+            if total + c > self.length:
+                break
+            total += c
+            n_tail += 1
+        n_fill = 0
+        best = None
+        for _ in range(4 * gap + 8):
+            placed = self.measure(n_pad, n_tail, n_fill)
+            diff = placed.n_tokens - self.length
+            if best is None or abs(diff) < abs(best.n_tokens - self.length):
+                best = placed
+            if diff == 0:
+                return placed
+            if diff > 0:
+                if n_fill:
+                    n_fill -= 1
+                elif n_tail:
+                    n_tail -= 1
+                else:
+                    break
+            else:
+                if n_fill + 1 > len(self.pad_words):
+                    break
+                n_fill += 1
+        return best
+
+    def at_phase(self, phase: int, stride: int, offset: int) -> tuple[Placed, int]:
+        """Prefix padding that puts the first answer token at ``phase``; returns the placement and pad count."""
+        n_pad = 0
+        for _ in range(4 * stride):
+            placed = self.fit(n_pad)
+            shift = (phase - phase_of(placed.answer_span[0], stride, offset)) % stride
+            if shift == 0:
+                return placed, n_pad
+            n_pad += shift
+            if n_pad > len(self.pad_words):
+                break
+        raise RuntimeError(
+            f"could not place the answer at phase {phase} (stride {stride}) with single-token filler words"
+        )
+
+
+def single_token_words(tokenizer, words: list[str]) -> list[str]:
+    """Those ``words`` that are exactly one token when they follow a space."""
+    return [w for w in words if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1]

@@ -1,0 +1,181 @@
+"""Property tests of the window layout and of both presses on raw key/value tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+from kvpress_phase.phase import compressed_length, kept_per_window, phase_of
+from kvpress_phase.rope import rotate
+
+HEAD_DIM = 8
+INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+
+
+class FakeAttention(torch.nn.Module):
+    """The attributes a press reads from an attention layer, with a real RoPE inverse-frequency table."""
+
+    def __init__(self, layer_idx=0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = HEAD_DIM
+        self.rotary_emb = torch.nn.Module()
+        self.rotary_emb.register_buffer("inv_freq", INV_FREQ)
+
+
+settings.register_profile("kvpress_phase", max_examples=60, deadline=None)
+settings.load_profile("kvpress_phase")
+
+layouts = st.fixed_dictionaries(
+    {
+        "stride": st.integers(1, 16),
+        "extra_window": st.integers(0, 16),
+        "offset": st.integers(0, 40),
+        "n_sink": st.integers(0, 6),
+        "n_local": st.integers(0, 20),
+        "compression_ratio": st.floats(0.01, 0.95),
+        "seq_len": st.integers(1, 160),
+        "heads": st.integers(1, 4),
+        "batch": st.integers(1, 2),
+    }
+)
+
+
+def _press(cls, p, mode, **kw):
+    window = p["stride"] + p["extra_window"] if mode == "pool" else p["stride"]
+    if cls is PhaseAwarePress:
+        kw.setdefault("overlap", window > p["stride"])
+    return cls(
+        p["compression_ratio"], window=window, stride=p["stride"], offset=p["offset"], n_sink=p["n_sink"],
+        n_local=p["n_local"], mode=mode, **kw,
+    )
+
+
+def _kv(p, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (p["batch"], p["heads"], p["seq_len"], HEAD_DIM)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+@given(p=layouts, mode=st.sampled_from(["select", "pool"]))
+def test_compressed_length_formula(p, mode):
+    keys, values = _kv(p)
+    S, r = p["stride"], p["compression_ratio"]
+    k = kept_per_window(S, r)
+    span = max(0, p["seq_len"] - p["n_sink"] - p["n_local"])
+    n_windows = max(0, (span - S + 1) // S)
+    expected = p["seq_len"] - n_windows * (S - k)
+    assert expected == compressed_length(p["seq_len"], S, r, p["n_sink"], p["n_local"])
+    lengths = set()
+    for cls in (ChunkedStridePress, PhaseAwarePress):
+        press = _press(cls, p, mode, rope="start")
+        out_k, out_v = press.compress(FakeAttention(), None, keys, values, None, {})
+        assert out_k.shape == out_v.shape == (p["batch"], p["heads"], expected, HEAD_DIM)
+        lengths.add(out_k.shape[2])
+        stats = press.stats[0]
+        assert stats.compressed_length == expected
+        assert stats.achieved_ratio == pytest.approx(1 - expected / p["seq_len"])
+    assert len(lengths) == 1  # PhaseAwarePress keeps exactly as many entries as ChunkedStridePress
+
+
+@given(p=layouts, mode=st.sampled_from(["select", "pool"]), align=st.booleans(),
+       stagger=st.sampled_from(["none", "head", "layer", "head_layer"]))
+def test_phase_aware_keeps_as_many_entries_as_chunked(p, mode, align, stagger):
+    keys, values = _kv(p)
+    chunked = _press(ChunkedStridePress, p, mode, rope="none")
+    aware = _press(PhaseAwarePress, p, mode, rope="none", align=align, stagger=stagger)
+    layer = FakeAttention(layer_idx=3)
+    assert (chunked.compress(layer, None, keys, values, None, {})[0].shape
+            == aware.compress(layer, None, keys, values, None, {})[0].shape)
+
+
+@given(p=layouts, mode=st.sampled_from(["select", "pool"]))
+def test_zero_ratio_returns_the_cache_unchanged(p, mode):
+    keys, values = _kv(p)
+    p = dict(p, compression_ratio=0.0)
+    for cls in (ChunkedStridePress, PhaseAwarePress):
+        out_k, out_v = _press(cls, p, mode).compress(FakeAttention(), None, keys, values, None, {})
+        assert out_k is keys and out_v is values
+
+
+@given(p=layouts, weighting=st.sampled_from(["mean", "score"]), rope=st.sampled_from(["none", "start", "center", "centroid"]))
+def test_pooling_identical_tokens_returns_that_token(p, weighting, rope):
+    """A window of one repeated token pools to that token (rotated at the representative position)."""
+    g = torch.Generator().manual_seed(1)
+    base_k = torch.randn(p["batch"], p["heads"], 1, HEAD_DIM, generator=g)
+    base_v = torch.randn(p["batch"], p["heads"], 1, HEAD_DIM, generator=g)
+    n = p["seq_len"]
+    positions = torch.arange(n)
+    # the same content at every position: rotated keys when RoPE is modelled, identical keys otherwise
+    keys = rotate(base_k.expand(-1, -1, n, -1), positions, INV_FREQ) if rope != "none" else base_k.expand(-1, -1, n, -1)
+    values = base_v.expand(-1, -1, n, -1).contiguous()
+    press = _press(ChunkedStridePress, p, "pool", weighting=weighting, rope=rope)
+    out_k, out_v = press.compress(FakeAttention(), None, keys.contiguous(), values, None, {})
+    torch.testing.assert_close(out_v, base_v.expand_as(out_v), rtol=1e-5, atol=1e-5)
+    if rope == "none":
+        torch.testing.assert_close(out_k, base_k.expand_as(out_k), rtol=1e-5, atol=1e-5)
+    elif rope in ("start",) or press.stats[0].layout is None:
+        # raw entries and start-rotated entries sit exactly at their recorded positions
+        pos = press.stats[0].positions.long() if press.stats[0].positions is not None else positions.expand(
+            p["batch"], p["heads"], n)
+        torch.testing.assert_close(out_k, rotate(base_k, pos, INV_FREQ), rtol=1e-4, atol=1e-4)
+    else:
+        # a merged key is the base key rotated somewhere: un-rotating any entry keeps its norm
+        torch.testing.assert_close(out_k.norm(dim=-1), base_k.norm(dim=-1).expand(-1, -1, out_k.shape[2]),
+                                   rtol=1e-4, atol=1e-4)
+
+
+@given(positions=st.lists(st.floats(-5000, 5000, allow_nan=False), min_size=1, max_size=20),
+       half=st.integers(1, HEAD_DIM // 2))
+def test_unrotate_then_rotate_is_identity(positions, half):
+    x = torch.randn(len(positions), HEAD_DIM, generator=torch.Generator().manual_seed(2))
+    pos = torch.tensor(positions)
+    inv = INV_FREQ[:half]  # partial rotary
+    back = rotate(rotate(x, pos, inv), -pos, inv)
+    torch.testing.assert_close(back, x, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rotate(x, pos, inv)[:, 2 * half:], x[:, 2 * half:])
+
+
+@given(p=layouts, stagger=st.sampled_from(["none", "head"]))
+def test_phase_of_every_kept_entry(p, stagger):
+    """Selected entries are real tokens: their recorded positions find them, and their phases are right."""
+    keys, values = _kv(p, seed=3)
+    for press in (_press(ChunkedStridePress, p, "select"), _press(PhaseAwarePress, p, "select", stagger=stagger)):
+        out_k, out_v = press.compress(FakeAttention(), None, keys, values, None, {})
+        stats = press.stats[0]
+        if stats.positions is None:
+            continue
+        pos = stats.positions.long()
+        assert (pos.diff(dim=-1) > 0).all()  # sorted, no duplicates
+        torch.testing.assert_close(out_k, keys.gather(2, pos[..., None].expand(-1, -1, -1, HEAD_DIM)))
+        torch.testing.assert_close(out_v, values.gather(2, pos[..., None].expand(-1, -1, -1, HEAD_DIM)))
+        offsets = stats.layout.offsets
+        assert torch.equal(stats.phases, phase_of(pos, p["stride"], offsets[..., None]))
+
+
+@given(stride=st.integers(2, 16), heads=st.integers(2, 16), offset=st.integers(0, 30), token=st.integers(0, 500))
+def test_staggered_offsets_give_each_head_a_different_phase(stride, heads, offset, token):
+    press = PhaseAwarePress(0.5, stride=stride, offset=offset, stagger="head")
+    offsets = press.grid_offsets(FakeAttention(), None, 1, heads, 1000)[0]
+    phases = phase_of(torch.tensor(token), stride, offsets)
+    assert len(set(phases.tolist())) == min(heads, stride)
+
+
+def test_layer_stagger_differs_across_layers():
+    press = PhaseAwarePress(0.5, stride=8, stagger="layer")
+    press.n_layers = 8
+    first = {int(press.grid_offsets(FakeAttention(layer), None, 1, 2, 100)[0, 0]) for layer in range(8)}
+    assert first == set(range(8))
+
+
+def test_alignment_avoids_cutting_a_high_scoring_span():
+    """A boundary-aware grid does not split the one important span of the sequence."""
+    press = PhaseAwarePress(0.5, stride=8, stagger="none", align=True, n_sink=0, n_local=0)
+    scores = torch.zeros(1, 2, 64)
+    scores[..., 21:27] = 1.0  # important span: positions 21..26
+    offset = int(press.aligned_offsets(scores)[0])
+    boundaries = {b for b in range(1, 64) if phase_of(b, 8, offset) == 0}
+    assert not boundaries & set(range(22, 27))

@@ -1,0 +1,58 @@
+"""Every invalid parameter is refused at construction with a ValueError naming it."""
+
+import pytest
+from kvpress import KnormPress
+
+from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+
+BAD = [
+    ("compression_ratio", -0.1),
+    ("compression_ratio", 1.0),
+    ("compression_ratio", "0.5"),
+    ("stride", 0),
+    ("stride", 2.5),
+    ("window", 4),  # < stride 8
+    ("offset", -1),
+    ("n_sink", -1),
+    ("n_local", -3),
+    ("mode", "merge"),
+    ("weighting", "max"),
+    ("rope", "end"),
+    ("backend", "cuda"),
+    ("scorer", "knorm"),
+]
+
+
+@pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
+@pytest.mark.parametrize("name,value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
+def test_invalid_parameter_names_itself(cls, name, value):
+    with pytest.raises(ValueError, match=name):
+        cls(**{name: value})
+
+
+def test_select_mode_cannot_overlap():
+    with pytest.raises(ValueError, match="window"):
+        ChunkedStridePress(0.5, window=16, stride=8, mode="select")
+    with pytest.raises(ValueError, match="overlap"):
+        PhaseAwarePress(0.5, mode="select", overlap=True)
+
+
+@pytest.mark.parametrize("name,value", [("stagger", "row"), ("overlap", "yes"), ("align", 1)])
+def test_phase_aware_switches(name, value):
+    with pytest.raises(ValueError, match=name):
+        PhaseAwarePress(**{name: value})
+
+
+def test_phase_aware_window_conflicts():
+    with pytest.raises(ValueError, match="window"):
+        PhaseAwarePress(0.5, window=8, stride=8, overlap=True)
+    with pytest.raises(ValueError, match="window"):
+        PhaseAwarePress(0.5, window=16, stride=8, overlap=False)
+    assert PhaseAwarePress(0.5, stride=8).effective_window == 16
+    assert PhaseAwarePress(0.5, stride=8, mode="select").effective_window == 8
+
+
+def test_valid_presses_construct():
+    ChunkedStridePress(0.0)
+    ChunkedStridePress(0.9, window=12, stride=8, offset=3, n_sink=0, n_local=0, scorer=KnormPress())
+    PhaseAwarePress(0.5, stagger="head_layer", align=True, overlap=False)
