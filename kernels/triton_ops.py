@@ -303,6 +303,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+TILES = "auto"
+"""Tile sizes: ``"auto"`` (large tiles, few programs under the interpreter; register-friendly tiles on a GPU),
+``"device"`` (the GPU tiles everywhere) or ``"tiny"`` (smallest tiles, so that small test shapes run every chunk
+loop and many blocks per row)."""
+
+
+def _profile() -> str:
+    if TILES not in ("auto", "device", "tiny"):
+        raise ValueError(f"TILES must be 'auto', 'device' or 'tiny', got {TILES!r}")
+    if TILES == "auto":
+        return "interpreter" if _interpreting() else "device"
+    return TILES
+
+
 def _pow2(x: int) -> int:
     return triton.next_power_of_2(max(1, int(x)))
 
@@ -395,10 +409,12 @@ def _outputs(keys, values, layout):
     return out_k, out_v, out_p, first
 
 
-def _raw_block(n_raw: int, bd: int, interp: bool) -> int:
-    if interp:
+def _raw_block(n_raw: int, bd: int, profile: str) -> int:
+    if profile == "interpreter":
         return min(_pow2(n_raw), 256)
-    return max(16, min(128, 4096 // bd))
+    if profile == "tiny":
+        return 4
+    return max(4, min(128, 2048 // bd))
 
 
 def select_windows(
@@ -414,17 +430,19 @@ def select_windows(
     dvv = values.shape[-1]
     S, k, nw = layout.stride, layout.k, layout.n_windows
     out_k, out_v, out_p, first = _outputs(keys, values, layout)
-    interp = _interpreting()
+    profile = _profile()
     bdk, bdv = max(16, _pow2(dkk)), max(16, _pow2(dvv))
     bs = _pow2(S)
-    if interp:  # few large programs: the interpreter pays per program, not per element
+    if profile == "interpreter":  # few large programs: the interpreter pays per program, not per element
         bi = bs
         bnw = min(_pow2(nw), 32)
-    else:  # keep the (BNW, BI, head_dim) gather tile and the (BNW, BI, S) ranking tile near 4-8K elements
-        bi = min(bs, 16)
-        bnw = max(1, min(32, 4096 // (bi * max(bdk, bdv)), 8192 // (bi * bs)))
+    elif profile == "tiny":
+        bi, bnw = min(bs, 2), 2
+    else:  # (BNW, BI, head_dim) gather tile <= 2K elements, (BNW, BI, S) ranking tile <= 4K (about 120 registers)
+        bi = min(bs, 16, max(1, 4096 // bs))
+        bnw = max(1, min(32, 2048 // (bi * max(bdk, bdv)), 4096 // (bi * bs)))
     n_raw = n - nw * S
-    bt = _raw_block(n_raw, max(bdk, bdv), interp)
+    bt = _raw_block(n_raw, max(bdk, bdv), profile)
     n_wblk = triton.cdiv(nw, bnw)
     grid = (n_wblk + triton.cdiv(n_raw, bt), b * h)
     _select_kernel[grid](
@@ -482,15 +500,20 @@ def pool_windows(
     has_rest = bool(code) and dkk > 2 * half
     bdk, bdv = max(16, _pow2(dkk)), max(16, _pow2(dvv))
     sc = scores if use_scores else keys  # placeholder pointer when unused
-    interp = _interpreting()
-    if interp:
+    profile = _profile()
+    if profile == "interpreter":
         bl = min(_pow2(gmax), 64)
         bnw = min(_pow2(nw), 32)
-    else:  # (BNW, BL, head_dim) float32 tiles of about 2K elements
+    elif profile == "tiny":
+        bl, bnw = min(_pow2(gmax), 2), 2
+    else:  # float32 tiles of <= 1K elements (<= 256 per rotary half: cos/sin and both halves are live at once)
         bl = min(_pow2(gmax), 16)
-        bnw = max(1, min(32, 2048 // (bl * max(bdk, bdv))))
+        limit = 1024 // (bl * max(bdk, bdv))
+        if code:
+            limit = min(limit, 256 // (bl * bh_), 256 // (bl * br) if has_rest else limit)
+        bnw = max(1, min(32, limit))
     n_raw = n - nw * S
-    bt = _raw_block(n_raw, max(bdk, bdv), interp)
+    bt = _raw_block(n_raw, max(bdk, bdv), profile)
     n_wblk = triton.cdiv(nw, bnw)
     grid = (n_wblk + triton.cdiv(n_raw, bt), b * h)
     _pool_kernel[grid](

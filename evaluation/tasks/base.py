@@ -240,14 +240,16 @@ class Assembler:
         self.tokenizer = tokenizer
         self.length = length
         self.tail_rng = tail_rng
-        self.tail: list[str] = []
+        self.tail: list[tuple[str, str]] = []
         self.pad_words = pad_words
         self._counts: dict[str, int] = {}
 
     # ---- text
-    def _tail_words(self, n: int) -> list[str]:
+    def _tail_units(self, n: int) -> list[tuple[str, str]]:
+        """The first ``n`` pieces of the trailing zone as (separator, piece): words and punctuation apart."""
         while len(self.tail) < n:
-            self.tail.extend(self.draft.hay(self.tail_rng).split(" "))
+            for piece in vocab.split_words(self.draft.hay(self.tail_rng)):
+                self.tail.append(("" if piece in vocab.PUNCTUATION else " ", piece))
         return self.tail[:n]
 
     def render(self, n_pad: int, n_tail: int, n_fill: int = 0) -> tuple[str, tuple[int, int], tuple[int, int]]:
@@ -277,9 +279,9 @@ class Assembler:
                 answer = (start + block.answer[0], start + block.answer[1])
             else:
                 put(block.sep, block.text)
-        words = self._tail_words(n_tail) + self.pad_words[:n_fill]
-        for j, w in enumerate(words):
-            put(self.draft.tail_sep if j == 0 else " ", w)
+        units = self._tail_units(n_tail) + [(" ", w) for w in self.pad_words[:n_fill]]
+        for j, (sep, w) in enumerate(units):
+            put(self.draft.tail_sep if j == 0 else sep, w)
         return "".join(parts), needle, answer
 
     def measure(self, n_pad: int, n_tail: int, n_fill: int = 0) -> Placed:
@@ -292,11 +294,11 @@ class Assembler:
             answer_span=offsets_to_token_span(offsets, start + answer[0], start + answer[1]),
         )
 
-    def _count(self, word: str) -> int:
-        n = self._counts.get(word)
+    def _count(self, text: str) -> int:
+        n = self._counts.get(text)
         if n is None:
-            n = len(self.tokenizer.encode(" " + word, add_special_tokens=False))
-            self._counts[word] = n
+            n = len(self.tokenizer.encode(text, add_special_tokens=False))
+            self._counts[text] = n
         return n
 
     # ---- exact length
@@ -314,7 +316,8 @@ class Assembler:
             )
         n_tail, total, gap = 0, placed.n_tokens, self.length - placed.n_tokens
         while True:
-            c = self._count(self._tail_words(n_tail + 1)[n_tail])
+            sep, piece = self._tail_units(n_tail + 1)[n_tail]
+            c = self._count(sep + piece)
             if total + c > self.length:
                 break
             total += c

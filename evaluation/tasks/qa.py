@@ -18,6 +18,8 @@ from .base import Block, BuildContext, Draft, check_depth, check_int, essay_hay,
 
 SINGLE_OPTIONS = {"n_people": None, "n_facts": 4, "fact": None, "depth": None}
 MULTI_OPTIONS = {"n_docs": None, "people_per_doc": 2, "n_facts": 4, "fact": None, "depth": None}
+AUTO_FACT_SHARE = 0.6
+"""With automatic sizes, people are dropped until their facts take at most this share of the token budget."""
 
 
 def _check(o: dict) -> None:
@@ -83,9 +85,16 @@ def build_single(ctx: BuildContext) -> Draft:
     depth = ctx.depth()
     n_people = o["n_people"] or max(2, min(len(vocab.NAMES), ctx.budget // 100))
     people, asked, names = _profiles(ctx, n_people)
-    t = min(n_people - 1, int(depth * n_people))
     title = Block(vocab.QA_SINGLE_TITLE)
-    facts = ctx.block_tokens(title) + sum(_fact_tokens(ctx, p) for p in people)
+
+    def cost(n: int) -> int:
+        return ctx.block_tokens(title) + sum(_fact_tokens(ctx, p) for p in people[:n])
+
+    while o["n_people"] is None and n_people > 2 and cost(n_people) > AUTO_FACT_SHARE * ctx.budget:
+        n_people -= 1  # automatic size: keep facts to a share of the budget whatever the tokenizer
+    people, names = people[:n_people], names[:n_people]
+    t = min(n_people - 1, int(depth * n_people))
+    facts = cost(n_people)
     if facts > ctx.budget:
         raise ctx.too_short(facts)
     share = (ctx.budget - facts) // n_people
@@ -117,10 +126,18 @@ def build_multi(ctx: BuildContext) -> Draft:
     if n_docs * per_doc > len(vocab.NAMES):
         raise ValueError(f"n_docs * people_per_doc must be at most {len(vocab.NAMES)}")
     people, asked, names = _profiles(ctx, n_docs * per_doc)
+    headers = [Block(vocab.QA_DOC_HEADER.format(index=i + 1), "\n") for i in range(n_docs)]
+
+    def cost(n: int) -> int:
+        people_cost = sum(_fact_tokens(ctx, p) for p in people[: n * per_doc])
+        return sum(ctx.block_tokens(h) for h in headers[:n]) + people_cost
+
+    while o["n_docs"] is None and n_docs > 2 and cost(n_docs) > AUTO_FACT_SHARE * ctx.budget:
+        n_docs -= 1  # automatic size: keep facts to a share of the budget whatever the tokenizer
+    people, names, headers = people[: n_docs * per_doc], names[: n_docs * per_doc], headers[:n_docs]
     t_doc = min(n_docs - 1, int(depth * n_docs))
     t_person = t_doc * per_doc + rng.randrange(per_doc)
-    headers = [Block(vocab.QA_DOC_HEADER.format(index=i + 1), "\n") for i in range(n_docs)]
-    facts = sum(ctx.block_tokens(h) for h in headers) + sum(_fact_tokens(ctx, p) for p in people)
+    facts = cost(n_docs)
     if facts > ctx.budget:
         raise ctx.too_short(facts)
     share = (ctx.budget - facts) // len(people)

@@ -7,7 +7,7 @@ import torch
 from kvpress import ComposedPress, KnormPress, PerLayerCompressionPress, SnapKVPress
 from transformers import DynamicCache, pipeline
 
-from conftest import FAMILIES, tiny_model
+from tiny_models import FAMILIES, tiny_model
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress
 from kvpress_phase.phase import compressed_length
 

@@ -1,0 +1,344 @@
+"""The phase evaluation runner: prefill once, replay every compression, decode with kvpress's own code.
+
+kvpress compression changes only the cache: the prefill activations are the same whatever the press. So for each
+context the runner prefills once with a capturing press that records, for every hooked attention layer, the
+arguments kvpress would hand to ``press.compress``. Every press variant (press x compression ratio x window x grid
+offset) is then applied to those recorded inputs, the compressed tensors are put into a shallow copy of the
+cache, and each question is decoded greedily with the pipeline's own ``generate_answer``. The answers are the
+ones a ``pipeline("kv-press-text-generation")(context, question=..., press=...)`` call per variant would give
+(``tests/evaluation/test_runner.py`` checks this).
+
+Results are appended to ``<output_dir>/results/results-rank<r>.jsonl`` one example at a time, with the run's full
+config in ``<output_dir>/config.json``. A run restarted with the same arguments skips the examples already in the
+shards (a torn last line from a crash is discarded), so nothing is lost or duplicated. Under ``accelerate launch``
+or ``torchrun`` every rank takes every ``world_size``-th work unit and writes its own shard; rank 0 merges the
+shards in a deterministic order once all ranks are done.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import pandas as pd
+import torch
+from kvpress import BasePress, KVPressTextGenerationPipeline
+
+from .presses import PHASE_GRID_PRESSES, PressSpec, build_press, parse_press_spec
+from .tasks import PROTOCOLS, generate, get_task, score
+
+RESULTS_DIR = "results"
+
+
+# ------------------------------------------------------------------------------------------------ config
+@dataclass
+class EvalConfig:
+    """Everything that determines a phase evaluation's results (saved with them)."""
+
+    model: Optional[str] = None
+    tasks: list = field(default_factory=lambda: ["niah_single"])
+    presses: list = field(default_factory=lambda: ["no_press", "chunked_stride", "phase_aware"])
+    compression_ratios: list = field(default_factory=lambda: [0.5])
+    strides: list = field(default_factory=lambda: [8])
+    windows: Optional[list] = None
+    phases: Optional[list] = None
+    protocol: str = "prefix"
+    context_lengths: list = field(default_factory=lambda: [512])
+    samples: int = 10
+    seed: int = 0
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        for name in self.tasks:
+            get_task(name)
+        for spec in self.presses:
+            parse_press_spec(spec)
+        if not self.tasks or not self.presses:
+            raise ValueError("tasks and presses must not be empty")
+        for r in self.compression_ratios:
+            if not 0 <= r < 1:
+                raise ValueError(f"compression ratio must be in [0, 1), got {r}")
+        for s in self.strides:
+            if s < 1:
+                raise ValueError(f"stride must be >= 1, got {s}")
+        for w in self.windows or []:
+            if w < min(self.strides):
+                raise ValueError(f"window must be >= stride, got window {w} with strides {self.strides}")
+        for p in self.phases or []:
+            if not 0 <= p < min(self.strides):
+                raise ValueError(f"phase must be in [0, stride), got phase {p} with strides {self.strides}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        for n in self.context_lengths:
+            if n < 16:
+                raise ValueError(f"context length must be >= 16 tokens, got {n}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ replay
+@dataclass
+class _CapturePress(BasePress):
+    """Records what kvpress hands to ``compress`` on every hooked layer, and compresses nothing."""
+
+    inputs: dict = field(default_factory=dict)
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        kept = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+        self.inputs[module.layer_idx] = (module, hidden_states, keys, values, attentions, kept)
+        return keys, values
+
+
+@dataclass
+class Prefill:
+    """One prefilled context: its token count, its full cache, and the recorded compress inputs."""
+
+    context_length: int
+    cache: object
+    inputs: dict
+
+
+class ReplayEngine:
+    """Prefill a context once; answer questions under any press from the recorded compress inputs."""
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=model.device)
+
+    def encode(self, context: str, questions: list[str], answer_prefix: str = ""):
+        max_len = min(self.tokenizer.model_max_length, int(1e10))
+        return self.pipe.preprocess(context, questions, answer_prefix, max_len)
+
+    @torch.no_grad()
+    def prefill(self, context_ids: torch.Tensor) -> Prefill:
+        from transformers import DynamicCache
+
+        capture = _CapturePress()
+        cache = DynamicCache()
+        with capture(self.model):
+            self.model.model(input_ids=context_ids.to(self.model.device), past_key_values=cache)
+        return Prefill(context_ids.shape[1], cache, capture.inputs)
+
+    @torch.no_grad()
+    def compressed_cache(self, state: Prefill, press: Optional[BasePress]):
+        """A cache holding ``press``'s compression of ``state`` (the original tensors are not modified)."""
+        cache = copy.copy(state.cache)
+        cache.layers = [copy.copy(layer) for layer in state.cache.layers]
+        if press is None:
+            return cache
+        press.post_init_from_model(self.model)
+        for layer_idx, (module, hidden, keys, values, attentions, kwargs) in state.inputs.items():
+            new_keys, new_values = press.compress(module, hidden, keys, values, attentions, kwargs)
+            cache.layers[layer_idx].keys = new_keys
+            cache.layers[layer_idx].values = new_values
+        return cache
+
+    @torch.no_grad()
+    def answer(self, state: Prefill, press: Optional[BasePress], questions_ids: list, max_new_tokens: int):
+        """Greedy answers to every question, exactly as the kvpress pipeline decodes them."""
+        cache = self.compressed_cache(state, press)
+        answers = []
+        for question_ids in questions_ids:
+            lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+            answers.append(
+                self.pipe.generate_answer(
+                    question_ids=question_ids.to(self.model.device),
+                    cache=cache,
+                    context_length=state.context_length,
+                    max_new_tokens=max_new_tokens,
+                )
+            )
+            self.pipe._remove_answer_from_cache(cache, lengths)
+        return answers, cache.get_seq_length(0)
+
+
+# ------------------------------------------------------------------------------------------------ shards
+def _read_shard(path: str) -> list[dict]:
+    """Records of a JSONL shard; a torn last line (interrupted write) is cut off the file."""
+    if not os.path.exists(path):
+        return []
+    records, good_bytes = [], 0
+    with open(path, "rb") as fh:
+        for raw in fh:
+            try:
+                records.append(json.loads(raw))
+            except json.JSONDecodeError:
+                break
+            if not raw.endswith(b"\n"):
+                records.pop()
+                break
+            good_bytes += len(raw)
+    if good_bytes != os.path.getsize(path):
+        with open(path, "r+b") as fh:
+            fh.truncate(good_bytes)
+    return records
+
+
+def record_key(record: dict) -> str:
+    fields = ("task", "context_length", "stride", "window", "protocol", "sample_id", "phase", "press",
+              "compression_ratio")
+    return "|".join(str(record[f]) for f in fields)
+
+
+def read_results(output_dir: str) -> pd.DataFrame:
+    """All shards of a run, deduplicated by example key and sorted deterministically."""
+    folder = os.path.join(output_dir, RESULTS_DIR)
+    records = []
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".jsonl"):
+                records.extend(_read_shard(os.path.join(folder, name)))
+    if not records:
+        return pd.DataFrame()
+    df = pd.DataFrame(records).drop_duplicates("key", keep="first")
+    order = ["task", "context_length", "stride", "window_sort", "protocol", "sample_id", "phase", "press",
+             "compression_ratio"]
+    df["window_sort"] = df["window"].astype(float).fillna(0.0)
+    return df.sort_values(order, kind="stable").drop(columns="window_sort").reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+@dataclass
+class WorkUnit:
+    """All phases of one base sample of one task x context length x stride: one prefill per distinct text."""
+
+    task: str
+    context_length: int
+    stride: int
+    sample_id: int
+    rows: list
+
+
+def plan_units(config: EvalConfig, tokenizer) -> list[WorkUnit]:
+    units = []
+    for task in config.tasks:
+        for context_length in config.context_lengths:
+            for stride in config.strides:
+                phases = config.phases if config.phases is not None else list(range(stride))
+                ds = generate(task, tokenizer, n_samples=config.samples, context_length=context_length,
+                              stride=stride, phases=phases, protocol=config.protocol, seed=config.seed)
+                by_sample: dict[int, list] = {}
+                for row in ds:
+                    by_sample.setdefault(row["sample_id"], []).append(row)
+                units += [WorkUnit(task, context_length, stride, sid, rows) for sid, rows in sorted(by_sample.items())]
+    return units
+
+
+def variants(config: EvalConfig, stride: int) -> list[tuple[PressSpec, float, Optional[int]]]:
+    out = []
+    for text in config.presses:
+        spec = parse_press_spec(text)
+        if spec.name == "no_press":
+            out.append((spec, 0.0, None))
+            continue
+        windows = config.windows if (config.windows and spec.name in PHASE_GRID_PRESSES) else [None]
+        for ratio in config.compression_ratios:
+            for window in windows:
+                if window is not None and window < stride:
+                    continue
+                out.append((spec, float(ratio), window))
+    return out
+
+
+def _dist_state():
+    """(rank, world size, barrier) from accelerate when launched with several processes; (0, 1, noop) else."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
+
+        state = PartialState(cpu=not torch.cuda.is_available())
+        return state.process_index, state.num_processes, state.wait_for_everyone
+    return 0, 1, lambda: None
+
+
+def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, progress: bool = True,
+                   max_units: Optional[int] = None) -> pd.DataFrame:
+    """Run (or resume) ``config`` and return the merged per-example results.
+
+    ``max_units`` stops after that many work units of this rank (used to test interruption).
+    """
+    from tqdm.auto import tqdm
+
+    config.validate()
+    rank, world, barrier = _dist_state()
+    os.makedirs(os.path.join(output_dir, RESULTS_DIR), exist_ok=True)
+    config_path = os.path.join(output_dir, "config.json")
+    saved = {"config": dataclasses.asdict(config), "fingerprint": config.fingerprint()}
+    if os.path.exists(config_path):
+        with open(config_path) as fh:
+            previous = json.load(fh)
+        if previous.get("fingerprint") != saved["fingerprint"]:
+            raise ValueError(
+                f"output directory {output_dir!r} holds results of a different configuration; "
+                "use another --output-dir or the same arguments to resume"
+            )
+    elif rank == 0:
+        with open(config_path, "w") as fh:
+            json.dump(saved, fh, indent=2)
+
+    shard_path = os.path.join(output_dir, RESULTS_DIR, f"results-rank{rank}.jsonl")
+    done = {r["key"] for r in _read_shard(shard_path)}
+    units = plan_units(config, tokenizer)[rank::world]
+    engine = ReplayEngine(model, tokenizer)
+    todo = [(u, v) for u in units for v in [variants(config, u.stride)]]
+    bar = tqdm(total=sum(len(u.rows) * len(v) for u, v in todo), disable=not progress or rank != 0,
+               desc="phase eval", unit="answer", initial=0)
+    with open(shard_path, "a") as shard:
+        for n_unit, (unit, unit_variants) in enumerate(todo):
+            if max_units is not None and n_unit >= max_units:
+                break
+            _run_unit(engine, config, unit, unit_variants, done, shard, bar)
+    bar.close()
+    barrier()
+    results = read_results(output_dir)
+    return results
+
+
+def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
+    prefills: dict[str, Prefill] = {}
+    memo: dict[tuple, tuple] = {}
+    for row in unit.rows:
+        encoded = None
+        for spec, ratio, window in unit_variants:
+            record = {
+                "task": unit.task, "context_length": unit.context_length, "stride": unit.stride,
+                "window": window, "protocol": row["protocol"], "sample_id": row["sample_id"],
+                "phase": row["phase"], "press": spec.label, "compression_ratio": ratio,
+            }
+            record["key"] = record_key(record)
+            if record["key"] in done:
+                bar.update(1)
+                continue
+            if encoded is None:
+                encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+            context = row["context"]
+            if context not in prefills:
+                prefills[context] = engine.prefill(encoded["context_ids"])
+            offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
+            memo_key = (context, spec.label, ratio, window, offset)
+            if memo_key not in memo:
+                press = build_press(spec, ratio, unit.stride, window, offset)
+                answers, cache_len = engine.answer(prefills[context], press, encoded["questions_ids"],
+                                                   row["max_new_tokens"])
+                memo[memo_key] = (answers[0], cache_len)
+            prediction, cache_len = memo[memo_key]
+            record.update({
+                "offset": row["offset"], "seed": row["seed"], "depth": row["depth"],
+                "context_tokens": row["context_length"], "answer_token_start": row["answer_token_start"],
+                "answer": list(row["answer"]), "prediction": prediction,
+                "score": score(prediction, row["answer"], unit.task), "cache_length": cache_len,
+            })
+            shard.write(json.dumps(record) + "\n")
+            shard.flush()
+            done.add(record["key"])
+            bar.update(1)

@@ -1,0 +1,115 @@
+"""The replay runner gives the kvpress pipeline's answers, resumes without loss or duplicates, and shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+
+from tiny_models import tiny_model
+from kvpress_phase.evaluation.presses import build_press, parse_press_spec
+from kvpress_phase.evaluation.runner import EvalConfig, ReplayEngine, read_results, run_evaluation
+from kvpress_phase.evaluation.tasks import generate
+from kvpress_phase.evaluation.tokenizer import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(word_tokenizer):
+    return tiny_model("qwen3", vocab_size=len(word_tokenizer), seed=3)
+
+
+PRESSES = ["no_press", "chunked_stride", "chunked_stride:mode=select", "phase_aware", "phase_aware:align=true",
+           "knorm", "snapkv", "streaming_llm", "chunkkv", "chunk"]
+
+
+def test_replay_gives_the_pipeline_answers(model, word_tokenizer):
+    rows = generate("niah_single", word_tokenizer, n_samples=2, context_length=200, stride=8, phases=[1, 6],
+                    protocol="offset", seed=5)
+    engine = ReplayEngine(model, word_tokenizer)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=word_tokenizer, device="cpu")
+    for row in rows:
+        encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+        state = engine.prefill(encoded["context_ids"])
+        for text in PRESSES:
+            spec = parse_press_spec(text)
+            for offset in (0, row["offset"]):
+                press_a = build_press(spec, 0.5, 8, None, offset)
+                press_b = build_press(spec, 0.5, 8, None, offset)
+                replayed, cache_len = engine.answer(state, press_a, encoded["questions_ids"], 6)
+                cache = DynamicCache()
+                direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"],
+                              press=press_b, max_new_tokens=6, cache=cache)["answer"]
+                assert replayed[0] == direct, (text, offset)
+                assert cache_len == cache.get_seq_length(0)
+
+
+def _config(**kw):
+    base = dict(tasks=["niah_single"], presses=["no_press", "chunked_stride", "knorm"], compression_ratios=[0.5],
+                strides=[4], context_lengths=[128], samples=3, seed=1)
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def test_interrupted_run_resumes_without_loss_or_duplicates(model, word_tokenizer, tmp_path):
+    config = _config()
+    full = run_evaluation(config, model, word_tokenizer, str(tmp_path / "full"), progress=False)
+    assert len(full) == 3 * 4 * 3  # samples x phases x presses
+
+    out = str(tmp_path / "resumed")
+    run_evaluation(config, model, word_tokenizer, out, progress=False, max_units=1)
+    shard = os.path.join(out, "results", "results-rank0.jsonl")
+    with open(shard, "a") as fh:  # a crash in the middle of a write
+        fh.write('{"task": "niah_single", "torn')
+    partial = read_results(out)
+    assert 0 < len(partial) < len(full)
+    resumed = run_evaluation(config, model, word_tokenizer, out, progress=False)
+    assert len(resumed) == len(full) and resumed["key"].is_unique
+    cols = ["key", "prediction", "score"]
+    assert resumed[cols].equals(full[cols])
+    with open(shard) as fh:
+        assert all(json.loads(line) for line in fh)
+
+
+def test_changed_arguments_do_not_mix_into_old_results(model, word_tokenizer, tmp_path):
+    run_evaluation(_config(samples=1), model, word_tokenizer, str(tmp_path), progress=False)
+    with pytest.raises(ValueError, match="different configuration"):
+        run_evaluation(_config(samples=2), model, word_tokenizer, str(tmp_path), progress=False)
+
+
+@pytest.mark.slow
+def test_two_processes_write_shards_and_merge_deterministically(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__) + '/..'!r})\n"
+        "from tiny_models import tiny_model\n"
+        "from kvpress_phase.evaluation.runner import EvalConfig, run_evaluation\n"
+        "from kvpress_phase.evaluation.tokenizer import build_tokenizer\n"
+        "tok = build_tokenizer()\n"
+        "model = tiny_model('qwen3', vocab_size=len(tok), seed=3)\n"
+        "cfg = EvalConfig(tasks=['niah_single'], presses=['no_press', 'chunked_stride', 'knorm'],\n"
+        "                 strides=[4], context_lengths=[128], samples=3, seed=1)\n"
+        "run_evaluation(cfg, model, tok, sys.argv[1], progress=False)\n"
+    )
+    out = tmp_path / "dist"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           str(script), str(out)]
+    subprocess.run(cmd, check=True, env=env, timeout=300, capture_output=True)
+    shards = sorted(os.listdir(out / "results"))
+    assert shards == ["results-rank0.jsonl", "results-rank1.jsonl"]
+    merged = read_results(str(out))
+    single = run_evaluation(_config(), tiny_model("qwen3", vocab_size=len(build_tokenizer()), seed=3),
+                            build_tokenizer(), str(tmp_path / "single"), progress=False)
+    cols = ["key", "prediction", "score"]
+    assert merged[cols].equals(single[cols])
