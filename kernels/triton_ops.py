@@ -16,10 +16,11 @@ to their output slots.
   order with a prefix sum, and gathers only the kept rows of keys and values into their output slots.
 - pool: for each of the ``k`` groups (bounds from :func:`~kvpress_phase.phase.group_bounds`), a program walks
   the group's slots in chunks of ``BL`` (two extra passes over the scores for the softmax when weighting by
-  score), un-rotates the keys in float32 (angles ``position * inv_freq`` computed in the kernel, rotary half
-  and the untouched rest of a partial-rotary head handled as separate tiles), accumulates the weighted sums of
-  keys, values and (for ``rope="centroid"``) positions in float32, re-rotates the merged key at its
-  representative position, clamps to the output dtype's finite range and stores.
+  score), turns the keys back to the window start in float32 (angles ``(position - window_start) * inv_freq``
+  computed in the kernel, as the reference does, so precision does not degrade with position; the rotary halves
+  and the untouched rest of a partial-rotary head are separate tiles), accumulates the weighted sums of keys,
+  values and (for ``rope="centroid"``) positions in float32, turns the merged key on to its representative
+  position, clamps to the output dtype's finite range and stores.
 
 Slots past the end of the sequence read the last token, as in the reference. Strided (non-contiguous) keys,
 values and scores are read through their strides; outputs are contiguous.
@@ -224,7 +225,9 @@ def _pool_kernel(
                     mh = m3 & hm[None, None, :]
                     x1 = tl.load(krow + dh[None, None, :] * skd, mask=mh, other=0.0).to(tl.float32)
                     x2 = tl.load(krow + (dh + HALF)[None, None, :] * skd, mask=mh, other=0.0).to(tl.float32)
-                    ang = p.to(tl.float32)[:, :, None] * freq[None, None, :]
+                    # un-rotating at p and re-rotating at rep is one rotation by rep - p, split at the window
+                    # start: slots turn by -(p - start) here, merged entries by rep - start below
+                    ang = (p - start[:, None]).to(tl.float32)[:, :, None] * freq[None, None, :]
                     cos = tl.cos(ang)
                     sin = tl.sin(ang)
                     # un-rotate: rotation by -angle
@@ -252,13 +255,14 @@ def _pool_kernel(
                     out_k = tl.clamp(out_k, -KMAX, KMAX, propagate_nan=tl.PropagateNan.ALL)
                 tl.store(okrow + dk[None, :], out_k.to(OK.dtype.element_ty), mask=wm[:, None] & dkm[None, :])
             else:
+                # representative position, relative to the window start
                 if ROPE == 1:
-                    rep = gpos.to(tl.float32)
+                    rep = (gpos - start).to(tl.float32)
                 elif ROPE == 2:
                     gend = tl.minimum(start + ghi - 1, last)
-                    rep = (gpos + gend).to(tl.float32) / 2.0
+                    rep = (gpos + gend - 2 * start).to(tl.float32) / 2.0
                 else:
-                    rep = gpos.to(tl.float32) + acc_p
+                    rep = (gpos - start).to(tl.float32) + acc_p
                 ang = rep[:, None] * freq[None, :]
                 cos = tl.cos(ang)
                 sin = tl.sin(ang)

@@ -6,9 +6,16 @@ Usage::
     ds = generate("niah_single", tokenizer, n_samples=20, context_length=512, stride=8, phases=range(8))
 
 Every row follows kvpress's evaluation schema (``context``, ``question``, ``answer_prefix``, ``answer``,
-``task``, ``max_new_tokens``) and says where its answer-bearing needle sits in the prefill sequence
-(``needle_token_start/end``, ``answer_token_start/end``), at which ``phase`` its first answer token lies for
-windows every ``stride`` tokens starting at ``offset``, and everything needed to regenerate it.
+``task``, ``max_new_tokens``) and adds:
+
+* ``needle_token_start``/``needle_token_end``: prefill-token span (BOS counted, end exclusive) of the
+  answer-bearing needle (a sentence, a chain statement, a fact, a paragraph);
+* ``answer_token_start``/``answer_token_end``: span of the phase-defining answer value inside it, whose text
+  is ``answer_span_text`` (one of ``answer``, except for ``passage_count``, where it is the repeated
+  paragraph's content);
+* ``phase``: phase of ``answer_token_start`` for windows every ``stride`` tokens starting at ``offset``;
+* ``protocol``, ``context_length`` (actual prefill tokens), ``seed``, ``sample_id`` and ``depth`` (the
+  requested relative depth of the needle; the realised one is ``needle_token_start / context_length``).
 
 Two protocols put a base example at each requested phase:
 

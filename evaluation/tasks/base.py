@@ -7,7 +7,8 @@ where the phase-defining answer value sits inside it, and the question. The code
 1. appends a *trailing zone* of haystack words after the last block and sizes it so that the prefill sequence
    (as kvpress's pipeline builds it, BOS included) has exactly the requested number of tokens;
 2. places the example at each requested phase: under the ``"prefix"`` protocol by inserting filler words
-   right before the answer-bearing block (and trimming the trailing zone by as many tokens), under the
+   right before the answer-bearing block's text, after its separator (and trimming the trailing zone by as
+   many tokens; the trailing zone is cut word by word, punctuation apart), under the
    ``"offset"`` protocol by leaving the text alone and reporting the window offset that puts the answer at
    the phase;
 3. checks every position by re-tokenising the prefill text, so it works with any fast tokenizer.
@@ -28,8 +29,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from ..prompting import encode_with_offsets, offsets_to_token_span
 from kvpress_phase.phase import phase_of
+
+from ..prompting import encode_with_offsets, offsets_to_token_span
 from . import vocab
 
 EVAL_SEED_LIMIT = 10**6
@@ -243,6 +245,7 @@ class Assembler:
         self.tail: list[tuple[str, str]] = []
         self.pad_words = pad_words
         self._counts: dict[str, int] = {}
+        self._base: Optional[Placed] = None
 
     # ---- text
     def _tail_units(self, n: int) -> list[tuple[str, str]]:
@@ -346,7 +349,9 @@ class Assembler:
 
     def at_phase(self, phase: int, stride: int, offset: int) -> tuple[Placed, int]:
         """Prefix padding that puts the first answer token at ``phase``; returns the placement and pad count."""
-        n_pad = 0
+        if self._base is None:
+            self._base = self.fit(0)
+        n_pad = (phase - phase_of(self._base.answer_span[0], stride, offset)) % stride
         for _ in range(4 * stride):
             placed = self.fit(n_pad)
             shift = (phase - phase_of(placed.answer_span[0], stride, offset)) % stride

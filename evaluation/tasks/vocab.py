@@ -62,9 +62,13 @@ miner musician nurse painter pilot plumber poet porter potter printer ranger sai
 student surgeon tailor teacher translator vet waiter weaver writer zookeeper
 """.split()
 
-COLOURS = "beige black blue brown crimson gold green grey maroon navy orange pink purple red silver teal violet white yellow".split()
+COLOURS = """
+beige black blue brown crimson gold green grey maroon navy orange pink purple red silver teal violet white yellow
+""".split()
 
-PETS = "canary cat dog ferret frog goat goldfish hamster horse lizard mouse parrot pig pony rabbit snake tortoise turtle".split()
+PETS = """
+canary cat dog ferret frog goat goldfish hamster horse lizard mouse parrot pig pony rabbit snake tortoise turtle
+""".split()
 
 FOODS = """
 bread cake cheese chicken chocolate curry dumplings fish honey lasagna lentils mango noodles pancakes pasta pie
@@ -123,9 +127,14 @@ writes
 """.split()
 """Transitive verbs, third person singular."""
 
-INTRANSITIVE = "dances laughs listens rests returns runs shines sings sleeps smiles waits wakes walks wanders whistles works".split()
+INTRANSITIVE = """
+dances laughs listens rests returns runs shines sings sleeps smiles waits wakes walks wanders whistles works
+""".split()
 
-ADVERBS = "again alone carefully early gladly happily later loudly often patiently quickly quietly rarely slowly softly sometimes today together".split()
+ADVERBS = """
+again alone carefully early gladly happily later loudly often patiently quickly quietly rarely slowly softly
+sometimes today together
+""".split()
 
 PREPOSITIONS = "across after along behind beside by near over through under".split()
 
@@ -210,7 +219,6 @@ AGES = [str(i) for i in range(18, 90)]
 
 QA_SINGLE_TITLE = "Here is a report about the people of a small town."
 QA_DOC_HEADER = "Document {index}:"
-QA_QUESTION_SUFFIX = "Answer with a single word."
 
 PARAGRAPH_HEADER = "Paragraph {index}:"
 RETRIEVAL_QUESTION = "Here is a sentence: {sentence} Which paragraph above contains this sentence?"
@@ -236,7 +244,6 @@ _TEMPLATE_TEXTS = (
         VT_PREFIX,
         QA_SINGLE_TITLE,
         QA_DOC_HEADER,
-        QA_QUESTION_SUFFIX,
         PARAGRAPH_HEADER,
         RETRIEVAL_QUESTION,
         RETRIEVAL_PREFIX,

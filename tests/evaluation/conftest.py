@@ -22,7 +22,8 @@ def _corpus(n: int = 400) -> list[str]:
     rng = random.Random(1234)
     lines = []
     for _ in range(n):
-        lines.append(vocab.essay_sentence(rng) + " " + vocab.NEEDLE.format(key=rng.choice(vocab.KEYS), value=vocab.random_value(rng)))
+        needle = vocab.NEEDLE.format(key=rng.choice(vocab.KEYS), value=vocab.random_value(rng))
+        lines.append(vocab.essay_sentence(rng) + " " + needle)
     lines.append(" ".join(vocab.NOISE_SENTENCES))
     return lines
 

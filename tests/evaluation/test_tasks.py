@@ -123,7 +123,8 @@ def test_task_specific_answers(word_tokenizer):
     v = generate("vt", word_tokenizer, n_samples=1, context_length=300, stride=4, phases=[0], n_hops=3, n_chains=2)
     names = v[0]["answer"]
     assert len(names) == 4 and f"VAR {names[1]} = VAR {names[0]}." in v[0]["context"]
-    pc = generate("passage_count", word_tokenizer, n_samples=1, context_length=600, stride=4, phases=[0], n_paragraphs=6)
+    kw = dict(n_samples=1, context_length=600, stride=4, phases=[0])
+    pc = generate("passage_count", word_tokenizer, n_paragraphs=6, **kw)
     paragraphs = [line.split(":", 1)[1] for line in pc[0]["context"].split("\n")]
     assert len(paragraphs) == 6 and pc[0]["answer"] == [str(len(set(paragraphs)))]
     pr = generate("passage_retrieval", word_tokenizer, n_samples=1, context_length=600, stride=4, phases=[0])
@@ -239,7 +240,8 @@ def test_vocabulary_is_closed(word_tokenizer):
         for opts in [{}] + extra:
             ds = generate(task, word_tokenizer, n_samples=3, context_length=400, stride=4, phases=[0], **opts)
             for row in ds:
-                text = row["context"] + " " + row["question"] + "\n" + row["answer_prefix"] + " " + " ".join(row["answer"])
+                answers = " ".join(row["answer"])
+                text = row["context"] + " " + row["question"] + "\n" + row["answer_prefix"] + " " + answers
                 assert unk not in word_tokenizer.encode(text, add_special_tokens=False), (task, opts)
 
 

@@ -1,0 +1,200 @@
+"""The ``kvpress-phase`` command.
+
+    kvpress-phase eval            # quick phase sweep on the built-in model, both presses and the baselines
+    kvpress-phase eval --tasks niah_single,qa_single_doc --strides 4,8,16 --compression-ratios 0.5,0.75
+    kvpress-phase list            # task and press names the flags accept
+
+Bad input exits with code 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Optional
+
+from .presses import PRESS_DESCRIPTIONS
+from .runner import EvalConfig
+
+QUICK = EvalConfig(
+    tasks=["niah_single", "niah_multikey"],
+    presses=list(PRESS_DESCRIPTIONS),
+    compression_ratios=[0.5],
+    strides=[8],
+    protocol="prefix",
+    context_lengths=[512],
+    samples=6,
+    seed=0,
+)
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2, no usage dump
+        raise UsageError(message)
+
+
+def _csv(cast, name):
+    def parse(text: str):
+        try:
+            values = [cast(x) for x in text.split(",") if x.strip() != ""]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a comma-separated list, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{name} must not be empty")
+        return values
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvpress-phase", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{eval,list}", parser_class=_Parser)
+    sub.required = True
+
+    ev = sub.add_parser("eval", help="run a phase evaluation", description=(
+        "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
+        "With no arguments: a quick sweep on the built-in model (about 2 minutes on 2 CPU cores)."))
+    ev.add_argument("--model", help="local model directory or hub id (default: the built-in model)")
+    ev.add_argument("--tasks", type=_csv(str, "--tasks"), default=QUICK.tasks,
+                    help=f"comma-separated task names (default: {','.join(QUICK.tasks)}; see `kvpress-phase list`)")
+    ev.add_argument("--presses", type=_csv(str, "--presses"), default=QUICK.presses,
+                    help="comma-separated press names, each optionally with :key=value settings for our presses, "
+                         "e.g. phase_aware:stagger=none (default: all registered presses)")
+    ev.add_argument("--compression-ratios", type=_csv(float, "--compression-ratios"),
+                    default=QUICK.compression_ratios, help="comma-separated ratios in [0, 1) (default: 0.5)")
+    ev.add_argument("--strides", type=_csv(int, "--strides"), default=QUICK.strides,
+                    help="comma-separated window strides S (default: 8)")
+    ev.add_argument("--windows", type=_csv(int, "--windows"), default=None,
+                    help="comma-separated window lengths W >= S for our presses (default: each press's own)")
+    ev.add_argument("--phases", type=_csv(int, "--phases"), default=None,
+                    help="comma-separated phases in [0, S) (default: all phases of each stride)")
+    ev.add_argument("--protocol", choices=["prefix", "offset"], default=QUICK.protocol,
+                    help="prefix: filler before the needle moves it to the phase; offset: the text is fixed and "
+                         "the presses' grid offset moves (default: prefix)")
+    ev.add_argument("--context-lengths", type=_csv(int, "--context-lengths"), default=QUICK.context_lengths,
+                    help="comma-separated context lengths in tokens (default: 512)")
+    ev.add_argument("--samples", type=int, default=QUICK.samples, help="samples per phase (default: 6)")
+    ev.add_argument("--seed", type=int, default=QUICK.seed, help="dataset seed (default: 0)")
+    ev.add_argument("--output-dir", default="outputs/phase-eval",
+                    help="where results, summary.json, plots and report.md go (default: outputs/phase-eval); "
+                         "rerunning with the same arguments resumes")
+    ev.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    ev.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="model dtype (default: float32)")
+    ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs (default: 2000)")
+    ev.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    sub.add_parser("list", help="list task and press names", description="List the task and press names.")
+    return parser
+
+
+def _cmd_list() -> int:
+    from .tasks import TASKS
+
+    print("tasks:")
+    for name, spec in TASKS.items():
+        print(f"  {name:<20} {spec.family:<9} {spec.description}")
+    print("presses:")
+    for name, text in PRESS_DESCRIPTIONS.items():
+        print(f"  {name:<20} {text}")
+    return 0
+
+
+def _resolve_device(text: str) -> str:
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if text.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {text}: no CUDA device is available")
+    if text != "cpu" and not text.startswith("cuda"):
+        raise UsageError(f"--device must be cpu, cuda, cuda:N or auto, got {text!r}")
+    return text
+
+
+def _check_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--output-dir {path!r} cannot be created: {exc.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"--output-dir {path!r} is not writable")
+
+
+def load_model(model: Optional[str], device: str, dtype: str):
+    """Model and tokenizer from a path or hub id, or the built-in model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model is None:
+        from kvpress_phase.builtin import builtin_model_path
+
+        model = builtin_model_path()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--model {model!r} cannot be loaded: {first}") from None
+    return lm.to(device).eval(), tokenizer
+
+
+def _cmd_eval(args) -> int:
+    from .report import console_table, write_reports
+    from .runner import run_evaluation
+
+    if args.samples < 1:
+        raise UsageError(f"--samples must be >= 1, got {args.samples}")
+    if args.bootstrap < 100:
+        raise UsageError(f"--bootstrap must be >= 100, got {args.bootstrap}")
+    config = EvalConfig(
+        model=args.model, tasks=args.tasks, presses=args.presses, compression_ratios=args.compression_ratios,
+        strides=args.strides, windows=args.windows, phases=args.phases, protocol=args.protocol,
+        context_lengths=args.context_lengths, samples=args.samples, seed=args.seed, dtype=args.dtype,
+    )
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    device = _resolve_device(args.device)
+    _check_output_dir(args.output_dir)
+    model, tokenizer = load_model(args.model, device, args.dtype)
+    try:
+        results = run_evaluation(config, model, tokenizer, args.output_dir, progress=not args.no_progress)
+    except ValueError as exc:  # e.g. an output directory holding another configuration's results
+        raise UsageError(str(exc)) from None
+    from .runner import _dist_state
+
+    rank, _, _ = _dist_state()
+    if rank != 0:
+        return 0
+    records = write_reports(results, args.output_dir, dataclasses.asdict(config), n_resamples=args.bootstrap,
+                            seed=args.seed)
+    print(console_table(records))
+    print(f"\nreport: {os.path.join(args.output_dir, 'report.md')}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "list":
+            return _cmd_list()
+        return _cmd_eval(args)
+    except UsageError as exc:
+        print(f"kvpress-phase: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvpress-phase: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

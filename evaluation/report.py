@@ -1,0 +1,119 @@
+"""Reports of a phase evaluation: summary JSON, results tables, plots and a Markdown report.
+
+Everything is written into the run's output directory:
+
+- ``summary.json``: one record per task x press x compression ratio x stride x protocol (see
+  :mod:`.metrics`), with the run's config;
+- ``results.csv`` and ``results.parquet``: the merged per-example results;
+- ``phase_<task>_s<stride>_r<ratio>_<protocol>.png``: accuracy versus phase for every press, with 95% CI bands
+  and the uncompressed control;
+- ``report.md``: the tables and the plots, for people.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+import pandas as pd
+
+from .metrics import summarize
+
+
+def _fmt(x, digits=2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def summary_table(records: list[dict]) -> pd.DataFrame:
+    """A compact table of the summary records, one row each."""
+    rows = []
+    for r in records:
+        rows.append({
+            "task": r["task"], "press": r["press"], "ratio": r["compression_ratio"], "stride": r["stride"],
+            "protocol": r["protocol"], "mean": r["mean"], "worst": r["worst"], "best": r["best"], "gap": r["gap"],
+            "gap 95% CI": f"[{_fmt(r['gap_ci_low'])}, {_fmt(r['gap_ci_high'])}]", "boundary": r["boundary"],
+            "p": r["p_value"], "n": r["n_samples"],
+            "per phase": " ".join(_fmt(x) for x in r["per_phase"]),
+        })
+    return pd.DataFrame(rows)
+
+
+def console_table(records: list[dict]) -> str:
+    df = summary_table(records)
+    if df.empty:
+        return "(no results)"
+    return df.to_string(index=False, float_format=lambda x: f"{x:.3f}")
+
+
+def plot_group(records: list[dict], path: str, title: str) -> None:
+    """Accuracy versus phase, one line per press with its 95% CI band; the boundary phase is shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    stride = records[0]["stride"]
+    phases = list(range(stride))
+    for r in records:
+        acc = [float("nan") if x is None else x for x in r["per_phase"]]
+        lo = [float("nan") if a is None else a for a, _ in r["per_phase_ci"]]
+        hi = [float("nan") if b is None else b for _, b in r["per_phase_ci"]]
+        style = dict(linestyle="--", color="black") if r["press"] == "no_press" else {}
+        (line,) = ax.plot(phases, acc, marker="o", label=f"{r['press']} (mean {_fmt(r['mean'])})", **style)
+        ax.fill_between(phases, lo, hi, alpha=0.15, color=line.get_color())
+    ax.axvspan(stride - 1.5, stride - 0.5, color="grey", alpha=0.1, label="boundary phase")
+    ax.set_xlabel("phase of the answer's first token (position - offset) mod stride")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xticks(phases)
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict] = None, *,
+                  n_resamples: int = 2000, seed: int = 0) -> list[dict]:
+    """Write summary.json, the results tables, the plots and report.md; return the summary records."""
+    os.makedirs(output_dir, exist_ok=True)
+    records = summarize(results, n_resamples=n_resamples, seed=seed) if len(results) else []
+    with open(os.path.join(output_dir, "summary.json"), "w") as fh:
+        json.dump(records, fh, indent=2)
+    results.to_csv(os.path.join(output_dir, "results.csv"), index=False)
+    results.to_parquet(os.path.join(output_dir, "results.parquet"), index=False)
+
+    controls = [r for r in records if r["press"] == "no_press"]
+    plots = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["press"] == "no_press":
+            continue
+        groups.setdefault((r["task"], r["stride"], r["compression_ratio"], r["protocol"]), []).append(r)
+    for (task, stride, ratio, protocol), group in sorted(groups.items()):
+        control = [c for c in controls if (c["task"], c["stride"], c["protocol"]) == (task, stride, protocol)]
+        name = f"phase_{task}_s{stride}_r{ratio:g}_{protocol}.png"
+        plot_group(control + group, os.path.join(output_dir, name),
+                   f"{task}, stride {stride}, compression ratio {ratio:g}, {protocol} protocol")
+        plots.append((name, task, stride, ratio, protocol))
+
+    lines = ["# Phase evaluation report", ""]
+    if config:
+        lines += ["Configuration:", "", "```json", json.dumps(config, indent=2), "```", ""]
+    lines += [
+        "Accuracy per phase of the answer's first token. `gap` = best - worst over phases 0..S-2 with a 95% paired "
+        "bootstrap CI; `boundary` = phase S-1, reported apart; `p` = chi-square test of homogeneity across "
+        "phases; `no_press` is the uncompressed control on the same prompts.",
+        "",
+    ]
+    table = summary_table(records)
+    if not table.empty:
+        lines += [table.to_markdown(index=False, floatfmt=".3f"), ""]
+    for name, task, stride, ratio, protocol in plots:
+        lines += [f"## {task}, stride {stride}, ratio {ratio:g}, {protocol}", "", f"![{name}]({name})", ""]
+    with open(os.path.join(output_dir, "report.md"), "w") as fh:
+        fh.write("\n".join(lines))
+    return records
