@@ -31,6 +31,7 @@ Import needs only torch and triton. The kernels run on CUDA tensors, and on CPU 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -278,15 +279,13 @@ def _pool_kernel(
                     out_r = acc_r
                     if KMAX > 0:
                         out_r = tl.clamp(out_r, -KMAX, KMAX, propagate_nan=tl.PropagateNan.ALL)
-                    tl.store(
-                        okrow + (2 * HALF + dr)[None, :], out_r.to(OK.dtype.element_ty), mask=wm[:, None] & rest_m[None, :]
-                    )
+                    rm2 = wm[:, None] & rest_m[None, :]
+                    tl.store(okrow + (2 * HALF + dr)[None, :], out_r.to(OK.dtype.element_ty), mask=rm2)
             out_v = acc_v
             if VMAX > 0:
                 out_v = tl.clamp(out_v, -VMAX, VMAX, propagate_nan=tl.PropagateNan.ALL)
-            tl.store(
-                OV + ovbase + dst[:, None] * DV + dv[None, :], out_v.to(OV.dtype.element_ty), mask=wm[:, None] & dvm[None, :]
-            )
+            ovrow = OV + ovbase + dst[:, None] * DV
+            tl.store(ovrow + dv[None, :], out_v.to(OV.dtype.element_ty), mask=wm[:, None] & dvm[None, :])
             tl.store(OP + opbase + dst, gpos.to(tl.int64), mask=wm)
     else:
         r = (pid_blk - n_wblk) * BT + tl.arange(0, BT)
@@ -413,6 +412,16 @@ def _outputs(keys, values, layout):
     return out_k, out_v, out_p, first
 
 
+@functools.lru_cache(maxsize=64)
+def _group_tables(window: int, stride: int, k: int, device: torch.device):
+    """Group bounds as int32 device tensors, built once per (window, stride, k, device): a host-to-device copy
+    on every call would synchronise the stream."""
+    lo, hi = group_bounds(window, stride, k)
+    lo_t = torch.tensor(lo, dtype=torch.int32, device=device)
+    hi_t = torch.tensor(hi, dtype=torch.int32, device=device)
+    return lo_t, hi_t, max(h - l for l, h in zip(lo, hi))
+
+
 def _raw_block(n_raw: int, bd: int, profile: str) -> int:
     if profile == "interpreter":
         return min(_pow2(n_raw), 256)
@@ -488,10 +497,7 @@ def pool_windows(
     dvv = values.shape[-1]
     W, S, k, nw = layout.window, layout.stride, layout.k, layout.n_windows
     out_k, out_v, out_p, first = _outputs(keys, values, layout)
-    lo, hi = group_bounds(W, S, k)
-    lo_t = torch.tensor(lo, dtype=torch.int32, device=keys.device)
-    hi_t = torch.tensor(hi, dtype=torch.int32, device=keys.device)
-    gmax = max(hh - ll for ll, hh in zip(lo, hi))
+    lo_t, hi_t, gmax = _group_tables(W, S, k, keys.device)
 
     code = _ROPE_CODE[rope]
     if code:
@@ -511,7 +517,9 @@ def pool_windows(
     elif profile == "tiny":
         bl, bnw = min(_pow2(gmax), 2), 2
     else:  # float32 tiles of <= 1K elements (<= 256 per rotary half: cos/sin and both halves are live at once)
-        bl = min(_pow2(gmax), 16)
+        bl = min(_pow2(gmax), 16, max(1, 1024 // max(bdk, bdv)))
+        if code:
+            bl = min(bl, max(1, 256 // bh_), max(1, 256 // br) if has_rest else bl)
         limit = 1024 // (bl * max(bdk, bdv))
         if code:
             limit = min(limit, 256 // (bl * bh_), 256 // (bl * br) if has_rest else limit)

@@ -97,7 +97,8 @@ def _inputs(batch, heads, seq, dim, dtype, *, dim_v=None, layout="contiguous", s
         if layout == "bshd":
             return (scale * torch.randn(batch, seq, heads, d, generator=g)).to(dtype).to(DEVICE).transpose(1, 2)
         if layout == "expanded":
-            return (scale * torch.randn(batch, 1, seq, d, generator=g)).to(dtype).to(DEVICE).expand(batch, heads, seq, d)
+            one = (scale * torch.randn(batch, 1, seq, d, generator=g)).to(dtype).to(DEVICE)
+            return one.expand(batch, heads, seq, d)
         return (scale * torch.randn(batch, heads, seq, d, generator=g)).to(dtype).to(DEVICE)
 
     keys, values = make(dim), make(dim_v)

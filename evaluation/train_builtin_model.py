@@ -1,0 +1,301 @@
+"""Train the built-in retrieval model: a small Qwen3 that reads the evaluation tasks' English-like text.
+
+    python -m kvpress_phase.evaluation.train_builtin_model --output-dir kvpress_phase/builtin_model
+
+Data come from the same task generators the evaluation suite uses (``training_example``, whose seeds live in a
+domain disjoint from every evaluation seed), mixed with a copy objective: a random segment drawn from a small
+random vocabulary, random filler of random length, then the segment again, with the loss on the repeat. The
+repeat's offset is random, so only matching content over several tokens predicts it; this is what teaches the
+model to retrieve before the needle tasks can be learned.
+
+A curriculum raises the context length (``--lengths``) each time the exact-match accuracy of the answers in the
+last ``--window`` training batches passes ``--advance-at``, or after ``--max-stage-steps`` steps at a length. Checkpoints (model, optimizer, schedule, curriculum,
+log) are written every ``--checkpoint-every`` steps to ``--checkpoint-dir``; rerunning the same command resumes.
+Batches are a pure function of (seed, step), so a resumed run sees the data an uninterrupted run would.
+At the end the model is saved in the Hugging Face format with its tokenizer, and the loss curve as a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+TASK_WEIGHTS = {
+    "niah_single": 2.0,
+    "niah_multikey": 2.0,
+    "niah_multivalue": 1.0,
+    "niah_multiquery": 1.0,
+    "vt": 1.0,
+    "qa_single_doc": 1.0,
+    "qa_multi_doc": 1.0,
+    "passage_retrieval": 1.0,
+    "passage_count": 0.5,
+    "copy": 2.0,
+}
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    steps: int = 6000
+    batch_tokens: int = 8192
+    max_batch: int = 32
+    lengths: list = field(default_factory=lambda: [128, 256, 512, 1024, 2048])
+    advance_at: float = 0.9
+    max_stage_steps: int = 1000
+    window: int = 50
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup: int = 200
+    weight_decay: float = 0.05
+    hidden_size: int = 192
+    layers: int = 4
+    heads: int = 6
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 512
+    rope_theta: float = 10000.0
+    task_weights: dict = field(default_factory=lambda: dict(TASK_WEIGHTS))
+
+
+# ---------------------------------------------------------------------------------------------- data
+def copy_example(tokenizer, rng: random.Random, length: int) -> dict:
+    """BOS, a segment, filler, the same segment again; the loss is on the repeated segment and EOS."""
+    from kvpress_phase.evaluation.tokenizer import SPECIAL_TOKENS
+
+    specials = {tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = [i for i in range(len(tokenizer)) if i not in specials]
+    vocab = rng.sample(ids, rng.randint(4, min(512, len(ids))))
+    seg_len = rng.randint(8, max(8, length // 3))
+    segment = [rng.choice(vocab) for _ in range(seg_len)]
+    filler = [rng.choice(ids) for _ in range(rng.randint(0, max(0, length - 2 * seg_len - 2)))]
+    input_ids = [tokenizer.bos_token_id] + segment + filler + segment + [tokenizer.eos_token_id]
+    loss_mask = [0] * (1 + seg_len + len(filler)) + [1] * (seg_len + 1)
+    return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def make_batch(tokenizer, config: TrainConfig, step: int, length: int):
+    """The batch of ``step``: a pure function of (seed, step, length)."""
+    from kvpress_phase.evaluation.tasks import training_example
+
+    rng = random.Random(f"{config.seed}/{step}")
+    names = list(config.task_weights)
+    weights = [config.task_weights[n] for n in names]
+    size = max(1, min(config.max_batch, config.batch_tokens // length))
+    examples, kinds = [], []
+    for i in range(size):
+        task = rng.choices(names, weights)[0]
+        sub = random.Random(f"{config.seed}/{step}/{i}")
+        ex = None
+        if task != "copy":
+            try:
+                ex = training_example(task, tokenizer, sub, context_length=length)
+            except ValueError:  # the task does not fit this short a context: a copy example instead
+                task = "copy"
+        if ex is None:
+            ex = copy_example(tokenizer, sub, length)
+        examples.append(ex)
+        kinds.append(task)
+    width = max(len(e["input_ids"]) for e in examples)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.full((size, width), pad, dtype=torch.long)
+    labels = torch.full((size, width), -100, dtype=torch.long)
+    attention = torch.zeros((size, width), dtype=torch.long)
+    for row, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        ids = torch.tensor(ex["input_ids"])
+        input_ids[row, :n] = ids
+        attention[row, :n] = 1
+        mask = torch.tensor(ex["loss_mask"], dtype=torch.bool)
+        labels[row, :n] = torch.where(mask, ids, torch.full_like(ids, -100))
+    return input_ids, attention, labels, kinds
+
+
+# ---------------------------------------------------------------------------------------------- model
+def build_model(config: TrainConfig, tokenizer):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model_config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=4096,
+        rope_theta=config.rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(config.seed)
+    return Qwen3ForCausalLM(model_config)
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per row: 1.0 when every supervised token is the argmax prediction (teacher forcing)."""
+    pred = logits[:, :-1].argmax(-1)
+    target = labels[:, 1:]
+    mask = target != -100
+    ok = (pred == target) | ~mask
+    return ok.all(dim=1).float()
+
+
+# ---------------------------------------------------------------------------------------------- loop
+def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_every: int = 200,
+          progress: bool = True, threads: int | None = None) -> None:
+    from tqdm.auto import tqdm
+
+    from kvpress_phase.evaluation.tokenizer import build_tokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = build_tokenizer()
+    model = build_model(config, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(0.9, 0.98))
+    state = {"step": 0, "stage": 0, "history": [], "elapsed": 0.0}
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    ckpt_path = os.path.join(checkpoint_dir, "checkpoint.pt")
+    if os.path.exists(ckpt_path):
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt["config"] != asdict(config):
+            raise ValueError(f"{ckpt_path} was written with another training configuration; "
+                             "use another --checkpoint-dir or the same arguments")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        state = ckpt["state"]
+        torch.set_rng_state(ckpt["torch_rng"])
+    recent = deque((h["em"] for h in state["history"][-config.window:]
+                    if h["stage"] == state["stage"]), maxlen=config.window)
+
+    def save():
+        tmp = ckpt_path + ".tmp"
+        torch.save({"config": asdict(config), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "state": state, "torch_rng": torch.get_rng_state()}, tmp)
+        os.replace(tmp, ckpt_path)
+
+    model.train()
+    bar = tqdm(total=config.steps, initial=state["step"], disable=not progress, desc="train", unit="step")
+    start = time.time() - state["elapsed"]
+    while state["step"] < config.steps:
+        step = state["step"]
+        length = config.lengths[state["stage"]]
+        input_ids, attention, labels, kinds = make_batch(tokenizer, config, step, length)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        out = model(input_ids=input_ids, attention_mask=attention, labels=labels)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        em_rows = answer_exact_match(out.logits.detach(), labels)
+        task_rows = [i for i, k in enumerate(kinds) if k != "copy"]
+        em = float(em_rows[task_rows].mean()) if task_rows else float("nan")
+        state["step"] += 1
+        state["elapsed"] = time.time() - start
+        state["history"].append({"step": step, "loss": float(out.loss), "em": em, "length": length,
+                                 "stage": state["stage"], "lr": lr_at(step, config), "time": state["elapsed"]})
+        if not math.isnan(em):
+            recent.append(em)
+        stage_steps = sum(1 for h in state["history"] if h["stage"] == state["stage"])
+        passed = len(recent) == config.window and sum(recent) / len(recent) >= config.advance_at
+        if (passed or stage_steps >= config.max_stage_steps) and state["stage"] + 1 < len(config.lengths):
+            state["stage"] += 1
+            recent.clear()
+        bar.set_postfix(loss=f"{float(out.loss):.3f}", em=f"{(sum(recent) / max(1, len(recent))):.2f}",
+                        length=length)
+        bar.update(1)
+        if state["step"] % checkpoint_every == 0 or state["step"] == config.steps:
+            save()
+    bar.close()
+    export(model, tokenizer, state, config, output_dir)
+
+
+def export(model, tokenizer, state: dict, config: TrainConfig, output_dir: str) -> None:
+    """Save the model, tokenizer, generation config, training log and loss curve."""
+    from transformers import GenerationConfig
+
+    from kvpress_phase.evaluation.tokenizer import save_tokenizer
+
+    os.makedirs(output_dir, exist_ok=True)
+    model.eval()
+    model.save_pretrained(output_dir, safe_serialization=True)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, do_sample=False).save_pretrained(output_dir)
+    save_tokenizer(tokenizer, output_dir)
+    with open(os.path.join(output_dir, "training_log.json"), "w") as fh:
+        json.dump({"config": asdict(config), "history": state["history"]}, fh)
+    plot_loss(state["history"], os.path.join(output_dir, "loss_curve.png"))
+
+
+def plot_loss(history: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.DataFrame(history)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(df["step"], df["loss"].rolling(25, min_periods=1).mean(), label="loss (25-step mean)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("answer-token loss")
+    ax.set_yscale("log")
+    ax2 = ax.twinx()
+    ax2.plot(df["step"], df["em"].rolling(25, min_periods=1).mean(), color="tab:green", alpha=0.7,
+             label="answer exact match")
+    ax2.set_ylabel("exact match (teacher forced)")
+    ax2.set_ylim(0, 1)
+    for change in df.index[df["length"].diff().fillna(0) != 0]:
+        ax.axvline(df.loc[change, "step"], color="grey", linestyle=":", linewidth=0.8)
+        ax.text(df.loc[change, "step"], ax.get_ylim()[1], f" {df.loc[change, 'length']}", fontsize=7, va="top")
+    fig.legend(loc="upper right", fontsize=8)
+    ax.set_title("built-in model training (dotted: context length raised)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = TrainConfig()
+    parser.add_argument("--output-dir", default="kvpress_phase/builtin_model")
+    parser.add_argument("--checkpoint-dir", default="checkpoints/builtin_model")
+    parser.add_argument("--checkpoint-every", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-progress", action="store_true")
+    for name, value in asdict(defaults).items():
+        if isinstance(value, (dict,)):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, list):
+            parser.add_argument(flag, type=lambda s: [int(x) for x in s.split(",")], default=value)
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    args = parser.parse_args(argv)
+    config = TrainConfig(**{k: getattr(args, k) for k in asdict(defaults) if k != "task_weights"})
+    train(config, args.output_dir, args.checkpoint_dir, args.checkpoint_every, progress=not args.no_progress,
+          threads=args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
