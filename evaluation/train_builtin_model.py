@@ -211,7 +211,7 @@ def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_
         em = float(em_rows[task_rows].mean()) if task_rows else float("nan")
         state["step"] += 1
         state["elapsed"] = time.time() - start
-        state["history"].append({"step": step, "loss": float(out.loss), "em": em, "length": length,
+        state["history"].append({"step": step, "loss": float(out.loss.detach()), "em": em, "length": length,
                                  "stage": state["stage"], "lr": lr_at(step, config), "time": state["elapsed"]})
         if not math.isnan(em):
             recent.append(em)
@@ -220,7 +220,7 @@ def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_
         if (passed or stage_steps >= config.max_stage_steps) and state["stage"] + 1 < len(config.lengths):
             state["stage"] += 1
             recent.clear()
-        bar.set_postfix(loss=f"{float(out.loss):.3f}", em=f"{(sum(recent) / max(1, len(recent))):.2f}",
+        bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", em=f"{(sum(recent) / max(1, len(recent))):.2f}",
                         length=length)
         bar.update(1)
         if state["step"] % checkpoint_every == 0 or state["step"] == config.steps:

@@ -355,6 +355,8 @@ def unsupported(
         if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
             return f"{name} head_dim {t.shape[-1]} is outside [1, {MAX_HEAD_DIM}]"
     batch, heads, seq_len = keys.shape[:3]
+    if batch * heads == 0:
+        return "empty batch or no heads"
     if tuple(layout.first.shape) != (batch, heads) or layout.seq_len != seq_len:
         return (
             f"layout is for (batch, heads, seq_len) = ({layout.batch}, {layout.heads}, {layout.seq_len}) but the "
@@ -436,6 +438,8 @@ def select_windows(
     """Triton version of :func:`.naive.select_windows` (same arguments, same result)."""
     if layout.window != layout.stride:
         raise ValueError(f"select needs window == stride, got window={layout.window}, stride={layout.stride}")
+    if scores is None:
+        raise ValueError("select needs scores")
     _require(keys, values, layout, mode="select", scores=scores)
     if layout.n_windows == 0:
         return _passthrough(keys, values)

@@ -133,6 +133,8 @@ SELECT_CASES = [
     (BF16, 256, 4, 2, "staggered", 2, 2, 45, 1, 1, "special"),
     (F32, 64, 16, 16, 3, 1, 1, 90, 0, 7, "randn"),  # k == window: nothing dropped
     (F16, 64, 8, 2, 2, 1, 2, 40, 4, 4, "ties"),
+    (F32, 64, 6, 4, "staggered", 1, 2, 71, 2, 3, "randn"),  # stride not a power of two
+    (BF16, 64, 1, 1, 0, 1, 1, 40, 0, 0, "randn"),  # stride 1: every window keeps its token
 ]
 
 
@@ -170,6 +172,8 @@ POOL_CASES = [
     (F16, 80, 16, 8, 4, "staggered", 1, 2, 111, 0, 0, "mean", "centroid", 80),
     (F16, 128, 32, 16, 8, 9, 1, 1, 140, 4, 16, "score", "none", None),
     (BF16, 64, 4, 4, 4, "staggered", 1, 2, 48, 0, 3, "mean", "start", 64),  # k == window
+    (F32, 96, 12, 6, 4, "staggered", 2, 1, 87, 3, 2, "score", "center", 96),  # stride 6, overlapping groups
+    (F32, 64, 2, 1, 1, 0, 1, 1, 41, 1, 0, "score", "centroid", 64),  # stride 1, W = 2
 ]
 
 
