@@ -14,7 +14,9 @@ stride x protocol:
   share their prompt;
 - ``boundary``: the score at the boundary phase ``stride - 1``, reported apart;
 - ``p_value``: chi-square test of homogeneity of the correct/wrong counts across phases (``scipy.stats``);
-  1.0 when every phase scored the same in every sample.
+  1.0 when every phase scored the same in every sample;
+- ``attention_per_phase`` (when the results carry ``needle_attention_ratio``): mean ratio of the needle's
+  attention mass under the press to its mass with the full cache, per phase (see :mod:`.diagnostics`).
 """
 
 from __future__ import annotations
@@ -109,7 +111,15 @@ def summarize_group(df: pd.DataFrame, stride: int, *, n_resamples: int = 2000, s
         "p_value": clean(homogeneity_p_value(matrix, present)),
         "n_samples": int(matrix.shape[0]),
         "phases": present,
+        "attention_per_phase": _attention_per_phase(df, stride),
     }
+
+
+def _attention_per_phase(df: pd.DataFrame, stride: int):
+    if "needle_attention_ratio" not in df or df["needle_attention_ratio"].isna().all():
+        return None
+    means = df.groupby("phase")["needle_attention_ratio"].mean().reindex(range(stride))
+    return [None if math.isnan(x) else float(x) for x in means]
 
 
 def summarize(results: pd.DataFrame, *, n_resamples: int = 2000, seed: int = 0) -> list[dict]:

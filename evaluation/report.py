@@ -48,29 +48,49 @@ def console_table(records: list[dict]) -> str:
 
 
 def plot_group(records: list[dict], path: str, title: str) -> None:
-    """Accuracy versus phase, one line per press with its 95% CI band; the boundary phase is shaded."""
+    """Accuracy versus phase, one line per press with its 95% CI band; the boundary phase is shaded.
+
+    When the results carry the attention diagnostic, a second panel shows the needle's attention mass relative
+    to the full cache, per phase.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    with_attention = any(r.get("attention_per_phase") for r in records if r["press"] != "no_press")
+    fig, axes = plt.subplots(2 if with_attention else 1, 1, figsize=(7, 6.5 if with_attention else 4),
+                             sharex=True, squeeze=False)
+    ax = axes[0, 0]
     stride = records[0]["stride"]
     phases = list(range(stride))
+    colors = {}
     for r in records:
         acc = [float("nan") if x is None else x for x in r["per_phase"]]
         lo = [float("nan") if a is None else a for a, _ in r["per_phase_ci"]]
         hi = [float("nan") if b is None else b for _, b in r["per_phase_ci"]]
         style = dict(linestyle="--", color="black") if r["press"] == "no_press" else {}
         (line,) = ax.plot(phases, acc, marker="o", label=f"{r['press']} (mean {_fmt(r['mean'])})", **style)
+        colors[r["press"]] = line.get_color()
         ax.fill_between(phases, lo, hi, alpha=0.15, color=line.get_color())
-    ax.axvspan(stride - 1.5, stride - 0.5, color="grey", alpha=0.1, label="boundary phase")
-    ax.set_xlabel("phase of the answer's first token (position - offset) mod stride")
-    ax.set_ylabel("accuracy")
+    for a in axes[:, 0]:
+        a.axvspan(stride - 1.5, stride - 0.5, color="grey", alpha=0.1)
+    ax.set_ylabel("accuracy (95% CI)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xticks(phases)
     ax.set_title(title)
     ax.legend(fontsize=7, loc="lower left")
+    if with_attention:
+        ax2 = axes[1, 0]
+        for r in records:
+            att = r.get("attention_per_phase")
+            if r["press"] == "no_press" or not att:
+                continue
+            ax2.plot(phases, [float("nan") if x is None else x for x in att], marker=".", color=colors[r["press"]],
+                     label=r["press"])
+        ax2.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+        ax2.set_ylabel("needle attention / full cache")
+    axes[-1, 0].set_xlabel("phase of the answer's first token, (position - offset) mod stride; shaded: boundary")
+    axes[-1, 0].set_xticks(phases)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from kvpress import BasePress, KVPressTextGenerationPipeline
 
+from .diagnostics import needle_attention
 from .presses import PHASE_GRID_PRESSES, PressSpec, build_press, parse_press_spec
 from .tasks import PROTOCOLS, generate, get_task, score
 
@@ -52,6 +53,7 @@ class EvalConfig:
     samples: int = 10
     seed: int = 0
     dtype: str = "float32"
+    diagnostics: bool = True
 
     def validate(self) -> None:
         for name in self.tasks:
@@ -160,7 +162,7 @@ class ReplayEngine:
                 )
             )
             self.pipe._remove_answer_from_cache(cache, lengths)
-        return answers, cache.get_seq_length(0)
+        return answers, cache
 
 
 # ------------------------------------------------------------------------------------------------ shards
@@ -307,6 +309,7 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
 def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
     prefills: dict[str, Prefill] = {}
     memo: dict[tuple, tuple] = {}
+    full_masses: dict[str, float] = {}
     for row in unit.rows:
         encoded = None
         for spec, ratio, window in unit_variants:
@@ -328,15 +331,29 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
             memo_key = (context, spec.label, ratio, window, offset)
             if memo_key not in memo:
                 press = build_press(spec, ratio, unit.stride, window, offset)
-                answers, cache_len = engine.answer(prefills[context], press, encoded["questions_ids"],
-                                                   row["max_new_tokens"])
-                memo[memo_key] = (answers[0], cache_len)
-            prediction, cache_len = memo[memo_key]
+                state = prefills[context]
+                answers, cache = engine.answer(state, press, encoded["questions_ids"], row["max_new_tokens"])
+                cache_len = cache.get_seq_length(0)
+                mass = None
+                if config.diagnostics:
+                    needle = (row["needle_token_start"], row["needle_token_end"])
+                    mass = needle_attention(engine, state, press, encoded["questions_ids"][0], needle, cache=cache)
+                memo[memo_key] = (answers[0], cache_len, mass)
+            prediction, cache_len, mass = memo[memo_key]
+            full_mass = None
+            if config.diagnostics:
+                if context not in full_masses:
+                    needle = (row["needle_token_start"], row["needle_token_end"])
+                    full_masses[context] = needle_attention(engine, prefills[context], None,
+                                                            encoded["questions_ids"][0], needle)
+                full_mass = full_masses[context]
             record.update({
                 "offset": row["offset"], "seed": row["seed"], "depth": row["depth"],
                 "context_tokens": row["context_length"], "answer_token_start": row["answer_token_start"],
                 "answer": list(row["answer"]), "prediction": prediction,
                 "score": score(prediction, row["answer"], unit.task), "cache_length": cache_len,
+                "needle_attention": mass,
+                "needle_attention_ratio": (mass / full_mass) if mass is not None and full_mass else None,
             })
             shard.write(json.dumps(record) + "\n")
             shard.flush()

@@ -306,6 +306,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _interpreter_ready() -> bool:
+    """Whether the kernels and triton.language's own jitted helpers (sum, cumsum, ...) were built for the
+    interpreter: that is decided when triton and this module are first imported, not at launch."""
+    jit_function = triton.runtime.jit.JITFunction
+    return not isinstance(_pool_kernel, jit_function) and not isinstance(tl.cumsum, jit_function)
+
+
 TILES = "auto"
 """Tile sizes: ``"auto"`` (large tiles, few programs under the interpreter; register-friendly tiles on a GPU),
 ``"device"`` (the GPU tiles everywhere) or ``"tiny"`` (smallest tiles, so that small test shapes run every chunk
@@ -349,6 +356,8 @@ def unsupported(
         return f"keys are on {keys.device} but values on {values.device}"
     if keys.device.type != "cuda" and not (keys.device.type == "cpu" and _interpreting()):
         return f"the kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {keys.device}"
+    if keys.device.type == "cpu" and not _interpreter_ready():
+        return "CPU tensors need the Triton interpreter, but triton was imported before TRITON_INTERPRET=1 was set"
     for name, t in (("keys", keys), ("values", values)):
         if t.dtype not in DTYPES:
             return f"{name} dtype {t.dtype} is not one of float32, float16, bfloat16"

@@ -16,7 +16,7 @@ from kvpress import BasePress, KnormPress, ScorerPress
 from torch import nn
 
 from kvpress_phase.kernels import ROPE_MODES, WEIGHTINGS, BACKENDS, pool_windows, select_windows
-from kvpress_phase.phase import WindowLayout, kept_per_window
+from kvpress_phase.phase import WindowLayout, group_bounds, kept_per_window
 from kvpress_phase.rope import rotary_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,9 @@ class LayerStats:
     positions: Optional[torch.Tensor]
     """``(batch, heads, compressed_length)`` int32: source position of each kept entry (first position of its
     group for a pooled entry); ``None`` when the layer passed through unchanged."""
+    ends: Optional[torch.Tensor] = None
+    """``(batch, heads, compressed_length)`` int32: one past the last source position each entry covers (the
+    group end for a pooled entry, ``position + 1`` for a raw or selected token)."""
 
     @property
     def phases(self) -> Optional[torch.Tensor]:
@@ -190,9 +193,20 @@ class WindowedPress(BasePress):
                 backend=self.backend,
             )
         self.stats[layer_idx] = LayerStats(
-            seq_len, layout.compressed_length, layout.achieved_ratio, layout, out.positions.to(torch.int32)
+            seq_len, layout.compressed_length, layout.achieved_ratio, layout, out.positions.to(torch.int32),
+            self._entry_ends(layout, out.positions).to(torch.int32),
         )
         return out.keys, out.values
+
+    def _entry_ends(self, layout: WindowLayout, positions: torch.Tensor) -> torch.Tensor:
+        ends = positions + 1
+        if self.mode == "pool":
+            lo, hi = group_bounds(layout.window, layout.stride, layout.k)
+            size = torch.tensor([h - l for l, h in zip(lo, hi)], device=positions.device)
+            entry = (torch.arange(layout.compressed_length, device=positions.device) - layout.first[..., None])
+            entry_size = size[entry.clamp(min=0) % layout.k]
+            ends = torch.where(layout.window_slot_mask(), (positions + entry_size).clamp(max=layout.seq_len), ends)
+        return ends
 
     @property
     def needs_scores_for_grid(self) -> bool:

@@ -45,12 +45,12 @@ def test_replay_gives_the_pipeline_answers(model, word_tokenizer):
             for offset in (0, row["offset"]):
                 press_a = build_press(spec, 0.5, 8, None, offset)
                 press_b = build_press(spec, 0.5, 8, None, offset)
-                replayed, cache_len = engine.answer(state, press_a, encoded["questions_ids"], 6)
+                replayed, replay_cache = engine.answer(state, press_a, encoded["questions_ids"], 6)
                 cache = DynamicCache()
                 direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"],
                               press=press_b, max_new_tokens=6, cache=cache)["answer"]
                 assert replayed[0] == direct, (text, offset)
-                assert cache_len == cache.get_seq_length(0)
+                assert replay_cache.get_seq_length(0) == cache.get_seq_length(0)
 
 
 def _config(**kw):
@@ -113,3 +113,34 @@ def test_two_processes_write_shards_and_merge_deterministically(tmp_path):
                             build_tokenizer(), str(tmp_path / "single"), progress=False)
     cols = ["key", "prediction", "score"]
     assert merged[cols].equals(single[cols])
+
+
+def test_needle_attention_diagnostic(model, word_tokenizer):
+    from kvpress_phase.evaluation.diagnostics import entry_spans, needle_attention
+
+    row = generate("niah_single", word_tokenizer, n_samples=1, context_length=200, stride=8, phases=[3])[0]
+    engine = ReplayEngine(model, word_tokenizer)
+    encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+    state = engine.prefill(encoded["context_ids"])
+    needle = (row["needle_token_start"], row["needle_token_end"])
+    q = encoded["questions_ids"][0]
+    full = needle_attention(engine, state, None, q, needle)
+    assert 0 < full < 1
+    # a press that keeps every entry keeps all the mass; one that drops the needle keeps none
+    assert needle_attention(engine, state, build_press(parse_press_spec("knorm"), 0.0, 8, None, 0), q, needle) == \
+        pytest.approx(full, rel=1e-5)
+    streaming = build_press(parse_press_spec("streaming_llm"), 0.9, 8, None, 0)
+    if needle[0] > 20 and needle[1] < 200 - 20:
+        assert needle_attention(engine, state, streaming, q, needle) == 0.0
+    # selection presses' kept entries are found among the original keys
+    knorm = build_press(parse_press_spec("knorm"), 0.5, 8, None, 0)
+    cache = engine.compressed_cache(state, knorm)
+    keys = state.inputs[0][2]
+    start, end = entry_spans(knorm, 0, keys, cache.layers[0].keys)
+    assert (start >= 0).all() and (end == start + 1).all()
+    assert torch.equal(keys.gather(2, start[..., None].expand(-1, -1, -1, keys.shape[-1])), cache.layers[0].keys)
+    # pooled entries cover their groups
+    ours = build_press(parse_press_spec("chunked_stride"), 0.75, 8, None, 0)
+    cache = engine.compressed_cache(state, ours)
+    start, end = entry_spans(ours, 0, keys, cache.layers[0].keys)
+    assert ((end - start) <= 8).all() and ((end - start) >= 1).all() and (end - start).max() == 4

@@ -43,9 +43,7 @@ if _USE_CUDA:
         pytest.skip("KVPRESS_PHASE_TEST_CUDA=1 but no CUDA device is available", allow_module_level=True)
     DEVICE = "cuda"
 else:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(triton_ops._pool_kernel, InterpretedFunction) or (_TRITON_PRELOADED and not _INTERPRET_BEFORE):
+    if not triton_ops._interpreter_ready() or (_TRITON_PRELOADED and not _INTERPRET_BEFORE):
         pytest.skip(
             "the Triton interpreter is not active: triton was imported before this module set TRITON_INTERPRET=1; "
             "run `TRITON_INTERPRET=1 python -m pytest tests/kernels`",
