@@ -113,10 +113,11 @@ def select_windows(
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
     order = order.sort(dim=-1).values
     sel = (layout.window_starts()[..., None] + order).flatten(2)  # (B, H, nw * k)
-    d = keys.shape[-1]
-    idx = sel[..., None].expand(-1, -1, -1, d)
-    new_keys = _assemble(keys, keys.gather(2, idx), layout)
-    new_values = _assemble(values, values.gather(2, idx), layout)
+    def take(x):
+        return x.gather(2, sel[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+    new_keys = _assemble(keys, take(keys), layout)
+    new_values = _assemble(values, take(values), layout)
     return Compressed(new_keys, new_values, _positions_tensor(layout, sel))
 
 
@@ -190,13 +191,14 @@ def pool_windows(
         if bool((rel == slots).all()):
             rel = slots
         merged_k = mix.transpose(-1, -2) @ rotate(kw, -rel, inv_freq)
+        # representative position of every entry, relative to its window start (exact at any length)
         if rope == "start":
-            rep = group_start.float()
+            rep = (group_start - ws).float()
         elif rope == "center":
-            rep = (group_start + pos[..., [h - 1 for h in hi]]).float() / 2
+            rep = (group_start + pos[..., [h - 1 for h in hi]] - 2 * ws).float() / 2
         else:
-            rep = (mix * pos[..., None].float()).sum(dim=-2)
-        merged_k = rotate(merged_k, rep - ws, inv_freq)
+            rep = (mix * rel[..., None].float()).sum(dim=-2)
+        merged_k = rotate(merged_k, rep, inv_freq)
     merged_v = mix.transpose(-1, -2) @ vw.float()
 
     new_keys = _assemble(keys, _to_dtype(merged_k, keys.dtype).flatten(2, 3), layout)
