@@ -8,7 +8,8 @@ Keys and values of shape (1, heads, N, head_dim) in float32. For every N, in one
 - ``kvpress_chunk``: ``ChunkPress(KnormPress(r), chunk_length=stride).compress``.
 
 Time is the median of ``--repeats`` runs after one warm-up. Peak extra memory is measured in a fresh process per
-case: the growth of the peak resident set (``ru_maxrss``) during one compress, relative to the layer's KV size.
+case: the growth of the peak resident set (VmHWM, reset just before the call) during one compress, outputs
+included, relative to the layer's KV size (keys + values).
 
     python benchmarks/bench_presses.py --sizes 4096,16384,65536 --output BENCHMARKS-presses.md
 """
@@ -19,7 +20,6 @@ import argparse
 import datetime
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -95,19 +95,31 @@ def time_case(name, n, args):
     return statistics.median(times)
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def memory_child(name: str, n: int, heads: int, head_dim: int, ratio: float, stride: int) -> None:
-    """Run in a fresh process: print the peak RSS growth of one compress, in bytes."""
+    """Run in a fresh process: print the peak resident-set growth of one compress, in bytes.
+
+    The kernel's peak counter (VmHWM) is reset just before the call by writing 5 to /proc/self/clear_refs, so the
+    figure is the peak during the call minus the resident set just before it (outputs included).
+    """
     keys, values, hidden = inputs(n, heads, head_dim)
     module = make_module(head_dim)
     press = make_case(name, ratio, stride)
-    # touch the code paths on a tiny input so imports and lazy initialisation are not counted
-    small = inputs(256, heads, head_dim)
-    run_once(press, module, *small)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run_once(press, module, *inputs(256, heads, head_dim))  # imports and lazy initialisation are not counted
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    before = _status_kib("VmRSS")
     out = run_once(press, module, keys, values, hidden)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _status_kib("VmHWM")
     del out
-    print(json.dumps({"extra_bytes": (after - before) * 1024}))
+    print(json.dumps({"extra_bytes": (peak - before) * 1024}))
 
 
 def peak_extra(name, n, args) -> float:

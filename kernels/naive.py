@@ -38,20 +38,21 @@ def _windows(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     """``(batch, heads, n_windows, window, ...)`` view (or gathered copy) of ``x`` laid out in windows.
 
     ``x`` is ``(batch, heads, seq_len)`` or ``(batch, heads, seq_len, dim)``. Slots past the end of the sequence
-    repeat the last token.
+    repeat the last token. A uniform grid is a view; staggered grids gather each row's span once (so that
+    overlapping windows do not copy a token twice) and view that.
     """
     n, nw, W, S = layout.seq_len, layout.n_windows, layout.window, layout.stride
-    if layout.uniform:
+    span = (nw - 1) * S + W
+    if layout.uniform and int(layout.first[0, 0]) + span <= n:
         f = int(layout.first[0, 0])
-        if f + (nw - 1) * S + W <= n:
-            seg = x[:, :, f : f + (nw - 1) * S + W]
-            win = seg.unfold(2, W, S)  # (..., nw, [dim,] W): a view, no copy
-            return win if x.dim() == 3 else win.transpose(-1, -2)
-    pos = layout.window_positions().clamp(max=n - 1).reshape(layout.batch, layout.heads, nw * W)
-    if x.dim() == 3:
-        return x.gather(2, pos).view(layout.batch, layout.heads, nw, W)
-    d = x.shape[-1]
-    return x.gather(2, pos[..., None].expand(-1, -1, -1, d)).view(layout.batch, layout.heads, nw, W, d)
+        seg = x[:, :, f : f + span]
+    else:
+        idx = (layout.first[..., None] + torch.arange(span, device=x.device)).clamp(max=n - 1)
+        seg = x.gather(2, idx if x.dim() == 3 else idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+    if W == S:  # non-overlapping windows: a plain reshape
+        return seg.unflatten(2, (nw, S))
+    win = seg.unfold(2, W, S)  # (..., nw, [dim,] W): a view
+    return win if x.dim() == 3 else win.transpose(-1, -2)
 
 
 def _assemble(x: torch.Tensor, entries: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
@@ -177,10 +178,15 @@ def pool_windows(
     pos = layout.window_positions().clamp(max=layout.seq_len - 1)  # (B, H, nw, W)
     group_start = pos[..., lo]  # (B, H, nw, k)
 
+    def merge(x: torch.Tensor) -> torch.Tensor:  # (B, H, nw, W, D) -> (B, H, nw, k, D), weighted group means
+        if weighting == "mean" and W == layout.stride and W % k == 0:  # equal contiguous groups: a strided mean
+            return x.unflatten(3, (k, W // k)).float().mean(dim=-2)
+        return mix.transpose(-1, -2) @ x.float()
+
     kw = _windows(keys, layout)  # (B, H, nw, W, D)
     vw = _windows(values, layout)
     if rope == "none":
-        merged_k = mix.transpose(-1, -2) @ kw.float()  # (B, H, nw, k, D)
+        merged_k = merge(kw)
     else:
         # Un-rotating at p_i and re-rotating at rep is one rotation by rep - p_i. Split it at the window start
         # ws: rotate every slot by ws - p_i (a (W,) table unless slots were clamped at the end), pool, then
@@ -190,16 +196,18 @@ def pool_windows(
         slots = torch.arange(W, device=device)
         if bool((rel == slots).all()):
             rel = slots
-        merged_k = mix.transpose(-1, -2) @ rotate(kw, -rel, inv_freq)
-        # representative position of every entry, relative to its window start (exact at any length)
-        if rope == "start":
-            rep = (group_start - ws).float()
-        elif rope == "center":
-            rep = (group_start + pos[..., [h - 1 for h in hi]] - 2 * ws).float() / 2
-        else:
+        merged_k = merge(rotate(kw, -rel, inv_freq))
+        # representative position of every entry, relative to its window start (exact at any length); start
+        # and centre are the same for every window unless slots were clamped, so a (k,) table then suffices
+        if rope == "centroid":
             rep = (mix * rel[..., None].float()).sum(dim=-2)
+        else:
+            last = torch.tensor([h - 1 for h in hi], device=device)
+            first = torch.tensor(lo, device=device)
+            rep = (first if rope == "start" else (first + last) / 2) if rel is slots else (
+                (group_start - ws).float() if rope == "start" else (group_start + pos[..., last] - 2 * ws).float() / 2)
         merged_k = rotate(merged_k, rep, inv_freq)
-    merged_v = mix.transpose(-1, -2) @ vw.float()
+    merged_v = merge(vw)
 
     new_keys = _assemble(keys, _to_dtype(merged_k, keys.dtype).flatten(2, 3), layout)
     new_values = _assemble(values, _to_dtype(merged_v, values.dtype).flatten(2, 3), layout)

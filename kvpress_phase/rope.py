@@ -65,14 +65,11 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> 
     half = inv_freq.numel()
     angles = positions.to(device=x.device, dtype=torch.float32)[..., None] * inv_freq.to(x.device, torch.float32)
     cos, sin = angles.cos(), angles.sin()
-    shape = torch.broadcast_shapes(x.shape[:-1], positions.shape) + (x.shape[-1],)
     x = x.float()
-    x1, x2 = x[..., :half], x[..., half : 2 * half]
-    out = torch.empty(shape, dtype=torch.float32, device=x.device)
-    y1, y2 = out[..., :half], out[..., half : 2 * half]
-    torch.mul(x1, cos, out=y1) if y1.shape == torch.broadcast_shapes(x1.shape, cos.shape) else y1.copy_(x1 * cos)
-    y1.addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=y2) if y2.shape == torch.broadcast_shapes(x2.shape, cos.shape) else y2.copy_(x2 * cos)
-    y2.addcmul_(x1, sin)
-    out[..., 2 * half :] = x[..., 2 * half :]
+    rest = x.shape[-1] - 2 * half
+    # out = x * [cos, cos, 1] in one contiguous pass, then the cross terms added in place
+    scale = torch.cat((cos, cos, cos.new_ones(cos.shape[:-1] + (rest,))), dim=-1)
+    out = x * scale
+    out[..., :half].addcmul_(x[..., half : 2 * half], sin, value=-1)
+    out[..., half : 2 * half].addcmul_(x[..., :half], sin)
     return out
