@@ -7,6 +7,10 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The kernel parity tests run the Triton kernels on the CPU through Triton's interpreter, which must be switched
+# on before anything imports triton (transformers may). KVPRESS_PHASE_TEST_CUDA=1 runs them on a GPU instead.
+if not os.environ.get("KVPRESS_PHASE_TEST_CUDA"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
