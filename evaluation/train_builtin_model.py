@@ -242,7 +242,8 @@ def export(model, tokenizer, state: dict, config: TrainConfig, output_dir: str) 
                      pad_token_id=tokenizer.pad_token_id, do_sample=False).save_pretrained(output_dir)
     save_tokenizer(tokenizer, output_dir)
     with open(os.path.join(output_dir, "training_log.json"), "w") as fh:
-        json.dump({"config": asdict(config), "history": state["history"]}, fh)
+        json.dump({"config": asdict(config), "n_parameters": sum(p.numel() for p in model.parameters()),
+                   "history": state["history"]}, fh)
     plot_loss(state["history"], os.path.join(output_dir, "loss_curve.png"))
 
 
