@@ -34,6 +34,18 @@ class Compressed(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def check_pool_arguments(weighting: str, rope: str, scores, inv_freq) -> None:
+    """ValueError for pool arguments that no implementation accepts."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    if rope not in ROPE_MODES:
+        raise ValueError(f"rope must be one of {ROPE_MODES}, got {rope!r}")
+    if weighting == "score" and scores is None:
+        raise ValueError("weighting='score' needs scores")
+    if rope != "none" and inv_freq is None:
+        raise ValueError(f"rope={rope!r} needs inv_freq")
+
+
 def _windows(x: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     """``(batch, heads, n_windows, window, ...)`` view (or gathered copy) of ``x`` laid out in windows.
 
@@ -150,14 +162,7 @@ def pool_windows(
     Window slots past the end of the sequence (only when ``window > stride`` and fewer than
     ``window - stride`` local tokens follow) repeat the last token.
     """
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    if rope not in ROPE_MODES:
-        raise ValueError(f"rope must be one of {ROPE_MODES}, got {rope!r}")
-    if weighting == "score" and scores is None:
-        raise ValueError("weighting='score' needs scores")
-    if rope != "none" and inv_freq is None:
-        raise ValueError(f"rope={rope!r} needs inv_freq")
+    check_pool_arguments(weighting, rope, scores, inv_freq)
     if layout.n_windows == 0:
         return _passthrough(keys, values, layout)
 

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kvpress_phase.phase import WindowLayout, group_bounds
 
-from .naive import ROPE_MODES, WEIGHTINGS, Compressed
+from .naive import ROPE_MODES, Compressed, check_pool_arguments
 
 __all__ = ["unsupported", "select_windows", "pool_windows", "MAX_HEAD_DIM", "MAX_SELECT_WINDOW", "DTYPES"]
 
@@ -493,14 +493,7 @@ def pool_windows(
     inv_freq: Optional[torch.Tensor] = None,
 ) -> Compressed:
     """Triton version of :func:`.naive.pool_windows` (same arguments, same result)."""
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    if rope not in ROPE_MODES:
-        raise ValueError(f"rope must be one of {ROPE_MODES}, got {rope!r}")
-    if weighting == "score" and scores is None:
-        raise ValueError("weighting='score' needs scores")
-    if rope != "none" and inv_freq is None:
-        raise ValueError(f"rope={rope!r} needs inv_freq")
+    check_pool_arguments(weighting, rope, scores, inv_freq)
     use_scores = weighting == "score"
     _require(keys, values, layout, mode="pool", rope=rope, inv_freq=inv_freq, scores=scores if use_scores else None)
     if layout.n_windows == 0:
