@@ -9,7 +9,9 @@ repeat's offset is random, so only matching content over several tokens predicts
 model to retrieve before the needle tasks can be learned.
 
 A curriculum raises the context length (``--lengths``) each time the exact-match accuracy of the answers in the
-last ``--window`` training batches passes ``--advance-at``, or after ``--max-stage-steps`` steps at a length. Checkpoints (model, optimizer, schedule, curriculum,
+last ``--window`` training batches passes ``--advance-at``, or after ``--max-stage-steps`` steps at a length; the
+last stage cycles through the three longest lengths. The share of copy examples per stage is
+``--copy-fraction``. Checkpoints (model, optimizer, schedule, curriculum,
 log) are written every ``--checkpoint-every`` steps to ``--checkpoint-dir``; rerunning the same command resumes.
 Batches are a pure function of (seed, step), so a resumed run sees the data an uninterrupted run would.
 At the end the model is saved in the Hugging Face format with its tokenizer, and the loss curve as a PNG.
@@ -38,7 +40,6 @@ TASK_WEIGHTS = {
     "qa_multi_doc": 1.0,
     "passage_retrieval": 1.0,
     "passage_count": 0.5,
-    "copy": 2.0,
 }
 
 
@@ -49,16 +50,17 @@ class TrainConfig:
     batch_tokens: int = 8192
     max_batch: int = 32
     lengths: list = field(default_factory=lambda: [128, 256, 512, 1024, 2048])
+    copy_fraction: list = field(default_factory=lambda: [0.5, 0.5, 0.3, 0.2, 0.2])
     advance_at: float = 0.9
-    max_stage_steps: int = 1000
+    max_stage_steps: int = 800
     window: int = 50
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup: int = 200
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
     weight_decay: float = 0.05
-    hidden_size: int = 192
+    hidden_size: int = 128
     layers: int = 4
-    heads: int = 6
+    heads: int = 4
     kv_heads: int = 2
     head_dim: int = 32
     intermediate_size: int = 512
@@ -82,13 +84,14 @@ def copy_example(tokenizer, rng: random.Random, length: int) -> dict:
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
 
-def make_batch(tokenizer, config: TrainConfig, step: int, length: int):
-    """The batch of ``step``: a pure function of (seed, step, length)."""
+def make_batch(tokenizer, config: TrainConfig, step: int, length: int, copy_fraction: float = 0.5):
+    """The batch of ``step``: a pure function of (seed, step, length, copy fraction)."""
     from kvpress_phase.evaluation.tasks import training_example
 
     rng = random.Random(f"{config.seed}/{step}")
-    names = list(config.task_weights)
-    weights = [config.task_weights[n] for n in names]
+    names = list(config.task_weights) + ["copy"]
+    task_total = sum(config.task_weights.values())
+    weights = [w * (1 - copy_fraction) / task_total for w in config.task_weights.values()] + [copy_fraction]
     size = max(1, min(config.max_batch, config.batch_tokens // length))
     examples, kinds = [], []
     for i in range(size):
@@ -140,6 +143,15 @@ def build_model(config: TrainConfig, tokenizer):
     )
     torch.manual_seed(config.seed)
     return Qwen3ForCausalLM(model_config)
+
+
+def stage_length(config: TrainConfig, stage: int, step: int) -> int:
+    """Context length of a step: the stage's length, except in the last stage, which cycles through the lengths
+    from the third-longest up, so shorter contexts keep being trained while the longest is learned."""
+    if stage < len(config.lengths) - 1:
+        return config.lengths[stage]
+    tail = config.lengths[-3:]
+    return tail[step % len(tail)]
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -197,8 +209,9 @@ def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_
     start = time.time() - state["elapsed"]
     while state["step"] < config.steps:
         step = state["step"]
-        length = config.lengths[state["stage"]]
-        input_ids, attention, labels, kinds = make_batch(tokenizer, config, step, length)
+        length = stage_length(config, state["stage"], step)
+        input_ids, attention, labels, kinds = make_batch(tokenizer, config, step, length,
+                                                         config.copy_fraction[state["stage"]])
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
         out = model(input_ids=input_ids, attention_mask=attention, labels=labels)
@@ -288,7 +301,8 @@ def main(argv=None) -> int:
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, list):
-            parser.add_argument(flag, type=lambda s: [int(x) for x in s.split(",")], default=value)
+            cast = type(value[0])
+            parser.add_argument(flag, type=lambda s, cast=cast: [cast(x) for x in s.split(",")], default=value)
         else:
             parser.add_argument(flag, type=type(value), default=value)
     args = parser.parse_args(argv)

@@ -25,6 +25,17 @@ Two protocols put a base example at each requested phase:
 * ``"offset"``: the text is the same at every phase; the row's ``offset`` is set to
   ``(answer_token_start - phase) mod stride``, the grid offset under which the answer sits at the phase.
 
+Existing evaluation sets (kvpress's RULER ``simonjegou/ruler``, LongBench, or any local set in kvpress's
+schema) get the same phase control from :func:`replace_needles`, which finds each row's answer in its context
+and re-places the sentence holding it at every requested phase, writing the columns above; with a hub
+connection::
+
+    from kvpress_phase.evaluation.tasks import load_hub_tasks, replace_needles
+    ds = replace_needles(load_hub_tasks("simonjegou/ruler", "4096"), tokenizer, stride=8, phases=range(8))
+
+:func:`load_hub_tasks` also reads a ``save_to_disk`` folder or a ``.json``/``.jsonl``/``.parquet``/``.csv``
+file (see :mod:`.hub` for the length policy and dropped rows).
+
 Seeds: evaluation examples come from ``derive_seed("eval", task, seed, sample index)`` with
 ``0 <= seed < 10**6``; :func:`training_example` draws from the separate ``"train"`` domain (see
 :mod:`.base`), so training and evaluation data never share a random stream.
@@ -42,6 +53,7 @@ from kvpress_phase.phase import phase_of
 from ..prompting import context_prefix_length, context_token_ids, question_token_ids
 from . import niah, passages, qa, vt
 from .base import EVAL_SEED_LIMIT, TAIL_RESERVE, Assembler, BuildContext, Draft, derive_seed, single_token_words
+from .hub import HubDatasetError, load_hub_tasks, replace_needles
 from .vocab import PAD_WORDS
 
 PROTOCOLS = ("prefix", "offset")
@@ -330,6 +342,9 @@ __all__ = [
     "TaskSpec",
     "generate",
     "get_task",
+    "HubDatasetError",
+    "load_hub_tasks",
+    "replace_needles",
     "list_tasks",
     "score",
     "training_example",

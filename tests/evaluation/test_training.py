@@ -13,7 +13,8 @@ from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
 
 def tiny_config(steps):
-    return TrainConfig(steps=steps, batch_tokens=512, lengths=[128, 160], window=2, advance_at=0.0, warmup=2,
+    return TrainConfig(steps=steps, batch_tokens=512, lengths=[128, 160], copy_fraction=[0.5, 0.3], window=2,
+                       advance_at=0.0, warmup=2,
                        hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
 
 
@@ -31,7 +32,7 @@ def test_short_training_run_exports_a_loadable_model(tmp_path):
     train(tiny_config(3), out, ckpt, checkpoint_every=2, progress=False)
     log = json.loads((tmp_path / "model" / "training_log.json").read_text())
     assert [h["step"] for h in log["history"]] == [0, 1, 2]
-    assert log["history"][-1]["length"] == 160  # the curriculum advanced
+    assert log["history"][-1]["stage"] == 1  # the curriculum advanced
     assert (tmp_path / "model" / "loss_curve.png").exists()
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
