@@ -48,10 +48,10 @@ def test_interrupted_training_resumes_where_it_stopped(tmp_path, monkeypatch):
 
     real = trainer.make_batch
 
-    def crash_at_step_3(tokenizer, config, step, length):
+    def crash_at_step_3(tokenizer, config, step, *args):
         if step == 3:
             raise KeyboardInterrupt
-        return real(tokenizer, config, step, length)
+        return real(tokenizer, config, step, *args)
 
     monkeypatch.setattr(trainer, "make_batch", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):
