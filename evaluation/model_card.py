@@ -70,7 +70,7 @@ def render(model_dir: str, table: dict, gap: dict, lengths: list[int], samples: 
         f"{config['hidden_size']}, {config['num_attention_heads']} query heads / {config['num_key_value_heads']} "
         f"KV heads (grouped-query attention), head dim {config['head_dim']}, MLP {config['intermediate_size']}, "
         f"RoPE theta {config.get('rope_theta', config.get('rope_parameters', {}).get('rope_theta'))}, "
-        "q/k RMSNorm, tied embeddings",
+        "tied embeddings",
         f"- {n_params / 1e6:.2f}M parameters; weights {weights / 1e6:.1f} MB (float32 safetensors)"
         if n_params else f"- weights {weights / 1e6:.1f} MB (float32 safetensors)",
         f"- word-level tokenizer, {config['vocab_size']} tokens (`kvpress_phase.evaluation.tokenizer`), no chat "

@@ -1,4 +1,4 @@
-"""The built-in model: a small Qwen3 trained on this package's task generators, shipped with it.
+"""The built-in model: a small Llama trained on this package's task generators, shipped with it.
 
 It is what ``kvpress-phase eval`` uses when no ``--model`` is given. How it was trained, and what it can do, is
 in ``MODEL_CARD.md``; ``python -m kvpress_phase.evaluation.train_builtin_model`` rebuilds it.
