@@ -179,7 +179,7 @@ def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 # ---------------------------------------------------------------------------------------------- loop
 def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_every: int = 200,
-          progress: bool = True, threads: int | None = None) -> None:
+          progress: bool = True, threads: int | None = None, export_only: bool = False) -> None:
     from tqdm.auto import tqdm
 
     from kvpress_phase.evaluation.tokenizer import build_tokenizer
@@ -201,6 +201,11 @@ def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_
         optimizer.load_state_dict(ckpt["optimizer"])
         state = ckpt["state"]
         torch.set_rng_state(ckpt["torch_rng"])
+    if export_only:
+        if not os.path.exists(ckpt_path):
+            raise FileNotFoundError(f"no checkpoint to export in {checkpoint_dir}")
+        export(model, tokenizer, state, config, output_dir)
+        return
     recent = deque((h["em"] for h in state["history"][-config.window:]
                     if h["stage"] == state["stage"]), maxlen=config.window)
 
@@ -262,7 +267,7 @@ def export(model, tokenizer, state: dict, config: TrainConfig, output_dir: str) 
     save_tokenizer(tokenizer, output_dir)
     with open(os.path.join(output_dir, "training_log.json"), "w") as fh:
         json.dump({"config": asdict(config), "n_parameters": sum(p.numel() for p in model.parameters()),
-                   "history": state["history"]}, fh)
+                   "steps_done": state["step"], "history": state["history"]}, fh)
     plot_loss(state["history"], os.path.join(output_dir, "loss_curve.png"))
 
 
@@ -302,6 +307,8 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=200)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--export-only", action="store_true",
+                        help="export the latest checkpoint of --checkpoint-dir as it is (training stopped early)")
     for name, value in asdict(defaults).items():
         if isinstance(value, (dict,)):
             continue
@@ -314,7 +321,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config = TrainConfig(**{k: getattr(args, k) for k in asdict(defaults) if k != "task_weights"})
     train(config, args.output_dir, args.checkpoint_dir, args.checkpoint_every, progress=not args.no_progress,
-          threads=args.threads)
+          threads=args.threads, export_only=args.export_only)
     return 0
 
 

@@ -62,3 +62,12 @@ def test_interrupted_training_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert [h["step"] for h in resumed] == [0, 1, 2, 3]
     for a, b in zip(resumed, reference):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_export_only_writes_the_checkpoint_as_it_is(tmp_path):
+    train(tiny_config(2), str(tmp_path / "a"), str(tmp_path / "ckpt"), checkpoint_every=1, progress=False)
+    train(tiny_config(2), str(tmp_path / "b"), str(tmp_path / "ckpt"), progress=False, export_only=True)
+    log = json.loads((tmp_path / "b" / "training_log.json").read_text())
+    assert log["steps_done"] == 2
+    with pytest.raises(FileNotFoundError):
+        train(tiny_config(2), str(tmp_path / "c"), str(tmp_path / "none"), progress=False, export_only=True)
