@@ -13,7 +13,8 @@ from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
 
 def tiny_config(steps):
-    return TrainConfig(steps=steps, batch_tokens=512, lengths=[128, 160], copy_fraction=[0.5, 0.3], window=2,
+    return TrainConfig(steps=steps, batch_tokens=512, lengths=[128, 160], copy_fraction=[0.5, 0.3],
+                       max_stage_steps=[2, 100], window=2,
                        advance_at=0.0, warmup=2,
                        hidden_size=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate_size=64)
 
