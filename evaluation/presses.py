@@ -2,7 +2,7 @@
 
 A press spec is a registered name, optionally followed by ``:key=value`` settings for our presses, e.g.
 ``phase_aware:stagger=none:overlap=false`` (used for ablations). Values are parsed as ints, floats,
-``true``/``false``/``none`` or strings.
+``true``/``false`` or strings.
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ def _parse_value(text: str):
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
-    if low == "none":
-        return None
     for cast in (int, float):
         try:
             return cast(text)

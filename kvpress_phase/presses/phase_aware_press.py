@@ -43,20 +43,19 @@ class PhaseAwarePress(WindowedPress):
         None means ``2 * stride`` when overlapping and ``stride`` otherwise. An explicit window must be
         ``> stride`` with ``overlap=True`` and ``== stride`` with ``overlap=False``.
     stagger : {"head", "layer", "head_layer", "none"}, default "head"
-    overlap : bool or None, default None
+    overlap : bool or None, default False
         None means True in pool mode and False in select mode (select mode cannot overlap).
     align : bool, default False
-    rope : default "centroid"
-    weighting : default "score"
 
-    The defaults are the combination that measured best on our sweeps; see ``RESULTS.md``.
+    Defaults (staggered per-head grids only, ChunkedStridePress's pooling and RoPE handling otherwise) are the
+    combination that measured best on the built-in model (``RESULTS.md``): overlapping windows made every
+    merged entry twice as coarse and recall collapsed at every phase, score weighting with centroid merging
+    did not beat mean pooling at the group start, and alignment did not help.
     """
 
     window: Optional[int] = None
-    rope: str = "centroid"
-    weighting: str = "score"
     stagger: str = "head"
-    overlap: Optional[bool] = None
+    overlap: Optional[bool] = False
     align: bool = False
     n_layers: Optional[int] = field(default=None, init=False, repr=False, compare=False)  # from the model
 

@@ -48,7 +48,9 @@ def test_phase_aware_window_conflicts():
         PhaseAwarePress(0.5, window=8, stride=8, overlap=True)
     with pytest.raises(ValueError, match="window"):
         PhaseAwarePress(0.5, window=16, stride=8, overlap=False)
-    assert PhaseAwarePress(0.5, stride=8).effective_window == 16
+    assert PhaseAwarePress(0.5, stride=8).effective_window == 8
+    assert PhaseAwarePress(0.5, stride=8, overlap=True).effective_window == 16
+    assert PhaseAwarePress(0.5, stride=8, overlap=None).effective_window == 16
     assert PhaseAwarePress(0.5, stride=8, mode="select").effective_window == 8
 
 
