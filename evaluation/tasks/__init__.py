@@ -52,7 +52,16 @@ from kvpress_phase.phase import phase_of
 
 from ..prompting import context_prefix_length, context_token_ids, question_token_ids
 from . import niah, passages, qa, vt
-from .base import EVAL_SEED_LIMIT, TAIL_RESERVE, Assembler, BuildContext, Draft, derive_seed, single_token_words
+from .base import (
+    EVAL_SEED_LIMIT,
+    TAIL_RESERVE,
+    Assembler,
+    BuildContext,
+    Draft,
+    derive_seed,
+    phase_columns,
+    single_token_words,
+)
 from .hub import HubDatasetError, load_hub_tasks, replace_needles
 from .vocab import PAD_WORDS
 
@@ -272,19 +281,9 @@ def generate(
                     "answer": list(draft.answers),
                     "task": spec.name,
                     "max_new_tokens": _max_new_tokens(spec, tokenizer, draft.completion),
-                    "needle_token_start": placed.needle_span[0],
-                    "needle_token_end": placed.needle_span[1],
-                    "answer_token_start": placed.answer_span[0],
-                    "answer_token_end": placed.answer_span[1],
                     "answer_span_text": draft.answer_span_text,
-                    "phase": p,
-                    "stride": stride,
-                    "offset": row_offset,
-                    "protocol": protocol,
-                    "context_length": placed.n_tokens,
-                    "seed": seed,
-                    "sample_id": index,
                     "depth": float(draft.depth),
+                    **phase_columns(placed, p, stride, row_offset, protocol, seed, index),
                 }
             )
     return datasets.Dataset.from_list(rows)

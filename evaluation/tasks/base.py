@@ -365,6 +365,24 @@ class Assembler:
         )
 
 
+def phase_columns(placed: "Placed", phase: int, stride: int, offset: int, protocol: str, seed: int,
+                  sample_id: int) -> dict:
+    """The columns that say where a placed example's needle and answer sit, shared by every generator."""
+    return {
+        "needle_token_start": placed.needle_span[0],
+        "needle_token_end": placed.needle_span[1],
+        "answer_token_start": placed.answer_span[0],
+        "answer_token_end": placed.answer_span[1],
+        "phase": phase,
+        "stride": stride,
+        "offset": offset,
+        "protocol": protocol,
+        "context_length": placed.n_tokens,
+        "seed": seed,
+        "sample_id": sample_id,
+    }
+
+
 def single_token_words(tokenizer, words: list[str]) -> list[str]:
     """Those ``words`` that are exactly one token when they follow a space."""
     return [w for w in words if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1]

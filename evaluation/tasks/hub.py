@@ -42,7 +42,7 @@ from typing import Iterable, Optional, Sequence
 from kvpress_phase.phase import phase_of
 
 from ..prompting import encode_with_offsets, offsets_to_token_span
-from .base import EVAL_SEED_LIMIT, Placed, derive_seed, single_token_words
+from .base import EVAL_SEED_LIMIT, Placed, derive_seed, phase_columns, single_token_words
 from .vocab import PAD_WORDS
 
 KVPRESS_COLUMNS = ("context", "question", "answer_prefix", "answer", "task", "max_new_tokens")
@@ -329,19 +329,9 @@ def replace_needles(
                     "answer": answers,
                     "task": source["task"],
                     "max_new_tokens": source["max_new_tokens"],
-                    "needle_token_start": placed.needle_span[0],
-                    "needle_token_end": placed.needle_span[1],
-                    "answer_token_start": placed.answer_span[0],
-                    "answer_token_end": placed.answer_span[1],
                     "answer_span_text": context[answer[0] : answer[1]],
-                    "phase": p,
-                    "stride": stride,
-                    "offset": row_offset,
-                    "protocol": protocol,
-                    "context_length": placed.n_tokens,
-                    "seed": seed,
-                    "sample_id": index,
                     "depth": base.needle_span[0] / base.n_tokens,
+                    **phase_columns(placed, p, stride, row_offset, protocol, seed, index),
                 }
             )
     if dropped:
