@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     from transformers import pipeline
 
     from kvpress_phase import load_builtin_model
-    from kvpress_phase.evaluation.presses import build_press, parse_press_spec
+    from kvpress_phase.evaluation.presses import PHASE_GRID_PRESSES, build_press, parse_press_spec
     from kvpress_phase.evaluation.runner import ReplayEngine
     from kvpress_phase.evaluation.tasks import generate
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     variants = [(row, spec) for row in rows for spec in specs]
 
     def offset_of(row, spec):
-        return row["offset"] if spec.name in ("chunked_stride", "phase_aware") else 0
+        return row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
 
     # baseline: one pipeline call per variant
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")

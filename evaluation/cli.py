@@ -169,9 +169,9 @@ def _cmd_eval(args) -> int:
         results = run_evaluation(config, model, tokenizer, args.output_dir, progress=not args.no_progress)
     except ValueError as exc:  # e.g. an output directory holding another configuration's results
         raise UsageError(str(exc)) from None
-    from .runner import _dist_state
+    from .runner import distributed_state
 
-    rank, _, _ = _dist_state()
+    rank, _, _ = distributed_state()
     if rank != 0:
         return 0
     records = write_reports(results, args.output_dir, dataclasses.asdict(config), n_resamples=args.bootstrap,

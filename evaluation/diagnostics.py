@@ -13,8 +13,6 @@ entries (the kvpress scorer presses), from matching every kept key against the o
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -74,10 +72,3 @@ def needle_attention(engine, state, press, question_ids: torch.Tensor, needle: t
         last = attn[:, :, -1, :n_entries]
         masses.append(float((last * covers).sum(-1).mean()))
     return sum(masses) / max(1, len(masses))
-
-
-def needle_attention_ratio(engine, state, press, question_ids, needle, full_mass: Optional[float] = None) -> tuple:
-    """``(mass under press, mass with the full cache, ratio)``."""
-    full = full_mass if full_mass is not None else needle_attention(engine, state, None, question_ids, needle)
-    mass = needle_attention(engine, state, press, question_ids, needle)
-    return mass, full, (mass / full if full > 0 else float("nan"))

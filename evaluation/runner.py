@@ -253,7 +253,7 @@ def variants(config: EvalConfig, stride: int) -> list[tuple[PressSpec, float, Op
     return out
 
 
-def _dist_state():
+def distributed_state():
     """(rank, world size, barrier) from accelerate when launched with several processes; (0, 1, noop) else."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import PartialState
@@ -272,7 +272,7 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
     from tqdm.auto import tqdm
 
     config.validate()
-    rank, world, barrier = _dist_state()
+    rank, world, barrier = distributed_state()
     os.makedirs(os.path.join(output_dir, RESULTS_DIR), exist_ok=True)
     config_path = os.path.join(output_dir, "config.json")
     saved = {"config": dataclasses.asdict(config), "fingerprint": config.fingerprint()}
