@@ -42,12 +42,27 @@ TASK_WEIGHTS = {
     "passage_retrieval": 1.0,
     "passage_count": 0.5,
 }
+"""Task mix of the curriculum stages."""
+
+EXTEND_TASK_WEIGHTS = {
+    "niah_single": 1.0,
+    "niah_multikey": 1.0,
+    "niah_multivalue": 2.0,
+    "niah_multiquery": 1.5,
+    "vt": 1.0,
+    "qa_single_doc": 2.0,
+    "qa_multi_doc": 2.0,
+    "passage_retrieval": 2.0,
+    "passage_count": 0.0,
+}
+"""Task mix of the extension: more weight on what the curriculum leaves weakest; counting is dropped (it is not
+retrieval, and the built-in model is not meant for it)."""
 
 
 @dataclass
 class TrainConfig:
     seed: int = 0
-    steps: int = 7000
+    steps: int = 8800
     batch_tokens: int = 8192
     max_batch: int = 16
     lengths: list = field(default_factory=lambda: [128, 128, 256, 512, 1024, 2048])
@@ -58,6 +73,13 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup: int = 100
+    base_steps: int = 7000
+    extend_from: int = 5800
+    extend_lengths: list = field(default_factory=lambda: [1024, 2048])
+    extend_copy_fraction: float = 0.1
+    extend_lr: float = 5e-4
+    extend_min_lr: float = 5e-5
+    extend_warmup: int = 50
     weight_decay: float = 0.05
     hidden_size: int = 128
     layers: int = 4
@@ -67,6 +89,23 @@ class TrainConfig:
     intermediate_size: int = 512
     rope_theta: float = 10000.0
     task_weights: dict = field(default_factory=lambda: dict(TASK_WEIGHTS))
+    extend_task_weights: dict = field(default_factory=lambda: dict(EXTEND_TASK_WEIGHTS))
+
+    def __post_init__(self):
+        n = len(self.lengths)
+        if not (len(self.copy_fraction) == len(self.max_stage_steps) == n):
+            raise ValueError(f"lengths, copy_fraction and max_stage_steps need one value per stage; got {n}, "
+                             f"{len(self.copy_fraction)} and {len(self.max_stage_steps)}")
+        if not 0 < self.extend_from:
+            raise ValueError(f"extend_from must be positive, got {self.extend_from}")
+        if self.base_steps < 1 or self.steps < 1:
+            raise ValueError(f"steps and base_steps must be positive, got {self.steps} and {self.base_steps}")
+        if not self.extend_lengths:
+            raise ValueError("extend_lengths must hold at least one length")
+        for name in ("task_weights", "extend_task_weights"):
+            weights = getattr(self, name)
+            if any(w < 0 for w in weights.values()) or not sum(weights.values()) > 0:
+                raise ValueError(f"{name} must be non-negative with a positive sum, got {weights}")
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -85,14 +124,16 @@ def copy_example(tokenizer, rng: random.Random, length: int) -> dict:
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
 
-def make_batch(tokenizer, config: TrainConfig, step: int, length: int, copy_fraction: float = 0.5):
-    """The batch of ``step``: a pure function of (seed, step, length, copy fraction)."""
+def make_batch(tokenizer, config: TrainConfig, step: int, length: int, copy_fraction: float = 0.5,
+               task_weights: dict | None = None):
+    """The batch of ``step``: a pure function of (seed, step, length, copy fraction, task weights)."""
     from kvpress_phase.evaluation.tasks import training_example
 
+    task_weights = config.task_weights if task_weights is None else task_weights
     rng = random.Random(f"{config.seed}/{step}")
-    names = list(config.task_weights) + ["copy"]
-    task_total = sum(config.task_weights.values())
-    weights = [w * (1 - copy_fraction) / task_total for w in config.task_weights.values()] + [copy_fraction]
+    names = list(task_weights) + ["copy"]
+    task_total = sum(task_weights.values())
+    weights = [w * (1 - copy_fraction) / task_total for w in task_weights.values()] + [copy_fraction]
     size = max(1, min(config.max_batch, config.batch_tokens // length))
     examples, kinds = [], []
     for i in range(size):
@@ -162,11 +203,28 @@ def stage_length(config: TrainConfig, stage: int, step: int) -> int:
     return tail[step % len(tail)]
 
 
+def _cosine(step: int, total: int, warmup: int, peak: float, floor: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
 def lr_at(step: int, config: TrainConfig) -> float:
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    """Two cosine cycles: the curriculum's (horizon ``base_steps``), then a warm restart for the extension."""
+    if step < config.extend_from:
+        return _cosine(step, config.base_steps, config.warmup, config.lr, config.min_lr)
+    return _cosine(step - config.extend_from, config.steps - config.extend_from, config.extend_warmup,
+                   config.extend_lr, config.extend_min_lr)
+
+
+def step_plan(config: TrainConfig, stage: int, step: int) -> tuple[int, float, dict]:
+    """Context length, copy fraction and task weights of a step: the curriculum stage's before ``extend_from``,
+    the extension's (lengths cycled) from then on."""
+    if step >= config.extend_from:
+        lengths = config.extend_lengths
+        return lengths[step % len(lengths)], config.extend_copy_fraction, config.extend_task_weights
+    return stage_length(config, stage, step), config.copy_fraction[stage], config.task_weights
 
 
 def token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -228,9 +286,10 @@ def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_
     start = time.time() - state["elapsed"]
     while state["step"] < config.steps:
         step = state["step"]
-        length = stage_length(config, state["stage"], step)
-        input_ids, attention, labels, kinds = make_batch(tokenizer, config, step, length,
-                                                         config.copy_fraction[state["stage"]])
+        extending = step >= config.extend_from
+        length, copy_fraction, task_weights = step_plan(config, state["stage"], step)
+        input_ids, attention, labels, kinds = make_batch(tokenizer, config, step, length, copy_fraction,
+                                                         task_weights)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
         out = model(input_ids=input_ids, attention_mask=attention, labels=labels)
@@ -245,17 +304,18 @@ def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_
         copy_acc = float(token_accuracy(out.logits.detach(), labels)[copy_rows].mean()) if copy_rows else float("nan")
         # a copy-only stage advances on the copy token accuracy (the first repeated token is unpredictable, so
         # exact match cannot measure it); the others on the answers' exact match
-        progress_metric = copy_acc if config.copy_fraction[state["stage"]] >= 1.0 else em
+        progress_metric = copy_acc if copy_fraction >= 1.0 else em
         state["step"] += 1
         state["elapsed"] = time.time() - start
         state["history"].append({"step": step, "loss": float(out.loss.detach()), "em": em, "copy_acc": copy_acc,
-                                 "length": length,
-                                 "stage": state["stage"], "lr": lr_at(step, config), "time": state["elapsed"]})
+                                 "length": length, "stage": len(config.lengths) if extending else state["stage"],
+                                 "lr": lr_at(step, config), "time": state["elapsed"]})
         if not math.isnan(progress_metric):
             recent.append(progress_metric)
         stage_steps = sum(1 for h in state["history"] if h["stage"] == state["stage"])
         passed = len(recent) == config.window and sum(recent) / len(recent) >= config.advance_at
-        if (passed or stage_steps >= config.max_stage_steps[state["stage"]]) and state["stage"] + 1 < len(config.lengths):
+        last = state["stage"] + 1 >= len(config.lengths)
+        if not extending and not last and (passed or stage_steps >= config.max_stage_steps[state["stage"]]):
             state["stage"] += 1
             recent.clear()
         state["recent"] = list(recent)
@@ -325,7 +385,7 @@ def main(argv=None) -> int:
     parser.add_argument("--export-only", action="store_true",
                         help="export the latest checkpoint of --checkpoint-dir as it is (training stopped early)")
     for name, value in asdict(defaults).items():
-        if isinstance(value, (dict,)):
+        if isinstance(value, dict):
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, list):
@@ -334,7 +394,10 @@ def main(argv=None) -> int:
         else:
             parser.add_argument(flag, type=type(value), default=value)
     args = parser.parse_args(argv)
-    config = TrainConfig(**{k: getattr(args, k) for k in asdict(defaults) if k != "task_weights"})
+    try:
+        config = TrainConfig(**{k: getattr(args, k) for k in asdict(defaults) if not k.endswith("task_weights")})
+    except ValueError as exc:
+        parser.error(str(exc))
     train(config, args.output_dir, args.checkpoint_dir, args.checkpoint_every, progress=not args.no_progress,
           threads=args.threads, export_only=args.export_only)
     return 0

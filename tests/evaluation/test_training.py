@@ -8,7 +8,7 @@ import pytest
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvpress_phase.evaluation.train_builtin_model import TrainConfig, make_batch, train
+from kvpress_phase.evaluation.train_builtin_model import TrainConfig, lr_at, main, make_batch, step_plan, train
 from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
 
@@ -72,3 +72,38 @@ def test_export_only_writes_the_checkpoint_as_it_is(tmp_path):
     assert log["steps_done"] == 2
     with pytest.raises(FileNotFoundError):
         train(tiny_config(2), str(tmp_path / "c"), str(tmp_path / "none"), progress=False, export_only=True)
+
+
+def test_extension_switches_lengths_mix_and_restarts_the_schedule(tmp_path):
+    config = TrainConfig(**{**tiny_config(5).__dict__, "extend_from": 3, "extend_lengths": [96], "extend_warmup": 2,
+                            "extend_copy_fraction": 0.0,
+                            "extend_task_weights": {"niah_single": 1.0, "niah_multikey": 0.0}})
+    assert step_plan(config, 0, 2)[:2] == (128, 0.5) and step_plan(config, 1, 3) == (96, 0.0, config.extend_task_weights)
+    # warm restart: the extension's first step is back at the start of its own warm-up
+    assert lr_at(3, config) == pytest.approx(config.extend_lr / 2)
+    assert lr_at(4, config) == pytest.approx(config.extend_lr)
+    train(config, str(tmp_path / "model"), str(tmp_path / "ckpt"), progress=False)
+    history = json.loads((tmp_path / "model" / "training_log.json").read_text())["history"]
+    assert [h["length"] for h in history[3:]] == [96, 96]
+    assert [h["stage"] for h in history[3:]] == [2, 2]  # the extension is logged as a stage of its own
+    _, _, _, kinds = make_batch(build_tokenizer(), config, 3, 96, 0.0, config.extend_task_weights)
+    assert set(kinds) == {"niah_single"}
+
+
+@pytest.mark.parametrize("change, word", [
+    ({"copy_fraction": [0.5]}, "copy_fraction"),
+    ({"extend_lengths": []}, "extend_lengths"),
+    ({"extend_task_weights": {"niah_single": -1.0}}, "extend_task_weights"),
+    ({"task_weights": {"niah_single": 0.0}}, "task_weights"),
+    ({"extend_from": 0}, "extend_from"),
+])
+def test_bad_training_configuration_is_a_value_error(change, word):
+    with pytest.raises(ValueError, match=word):
+        TrainConfig(**{**tiny_config(2).__dict__, **change})
+
+
+def test_command_line_rejects_a_bad_configuration_with_exit_code_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--lengths", "128,256", "--steps", "1"])
+    assert info.value.code == 2
+    assert "one value per stage" in capsys.readouterr().err
