@@ -364,11 +364,14 @@ def plot_loss(history: list[dict], path: str) -> None:
              label="answer exact match")
     ax2.set_ylabel("exact match (teacher forced)")
     ax2.set_ylim(0, 1)
-    for change in df.index[df["length"].diff().fillna(0) != 0]:
-        ax.axvline(df.loc[change, "step"], color="grey", linestyle=":", linewidth=0.8)
-        ax.text(df.loc[change, "step"], ax.get_ylim()[1], f" {df.loc[change, 'length']}", fontsize=7, va="top")
-    fig.legend(loc="upper right", fontsize=8)
-    ax.set_title("built-in model training (dotted: context length raised)")
+    for change in df.index[df["stage"].diff().fillna(0) != 0]:
+        row = df.loc[change]
+        lengths = sorted(df.loc[df["stage"] == row["stage"], "length"].unique())
+        ax.axvline(row["step"], color="grey", linestyle=":", linewidth=0.8)
+        ax.text(row["step"], ax.get_ylim()[1], " " + "/".join(map(str, lengths)), fontsize=7, va="top",
+                rotation=90)
+    fig.legend(loc="lower left", fontsize=8, bbox_to_anchor=(0.1, 0.12))
+    ax.set_title("built-in model training (dotted: next stage, with its context lengths)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
