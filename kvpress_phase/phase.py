@@ -70,6 +70,22 @@ def group_bounds(window: int, stride: int, k: int) -> tuple[list[int], list[int]
     return lo, hi
 
 
+def merge_period(stride: int, k: int) -> int:
+    """Period, in slots, of the pool-mode merge pattern of a window: the smallest ``p`` dividing ``stride`` such
+    that shifting the group starts of :func:`group_bounds` by ``p`` maps them onto themselves (mod ``stride``).
+
+    ``k = 7`` of 8 merges only the last two slots (period 8); ``k = 6`` merges slots 2-3 and 6-7 (period 4);
+    ``k = 4`` merges pairs (period 2). Grids shifted by a multiple of the period merge the same phases.
+    """
+    if stride < 1 or not 1 <= k <= stride:
+        raise ValueError(f"need stride >= 1 and 1 <= k <= stride, got stride={stride}, k={k}")
+    starts = set(group_bounds(stride, stride, k)[0])
+    for p in range(1, stride + 1):
+        if stride % p == 0 and all((b + p) % stride in starts for b in starts):
+            return p
+    return stride
+
+
 def group_membership(window: int, stride: int, k: int, device=None) -> torch.Tensor:
     """``(window, k)`` float32 matrix, 1 where slot ``i`` feeds entry ``g`` (see :func:`group_bounds`)."""
     lo, hi = group_bounds(window, stride, k)

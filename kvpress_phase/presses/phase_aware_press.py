@@ -8,9 +8,11 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from kvpress_phase.phase import kept_per_window, merge_period
 from kvpress_phase.presses.base import WindowedPress, _check_choice
 
 STAGGERS = ("none", "head", "layer", "head_layer")
+SPREADS = ("period", "stride")
 
 
 @dataclass
@@ -22,8 +24,10 @@ class PhaseAwarePress(WindowedPress):
     its docstring), and removes the dependence on phase with four mechanisms, each switchable for ablations:
 
     - **staggered offsets** (``stagger``): every KV head (``"head"``), layer (``"layer"``) or (layer, head) pair
-      (``"head_layer"``) uses its own grid offset, spread evenly over ``[0, stride)``: a token that sits on a
-      window boundary for one head sits mid-window for another.
+      (``"head_layer"``) uses its own grid offset, so a token whose neighbours one head merges is kept apart by
+      another. The offsets are spread evenly over one period of the merge pattern (``spread="period"``, see
+      :func:`~kvpress_phase.phase.merge_period`): with ``k = 4`` of 8 the pattern repeats every 2 slots, and
+      grids 4 apart would merge exactly the same phases. ``spread="stride"`` spreads them over ``[0, stride)``.
     - **overlapping windows** (``overlap``, pool mode): windows of ``2 * stride`` tokens every ``stride`` tokens,
       as in DeepSeek-V4's compressed attention, so every token is merged into entries of two windows at two
       different in-window offsets.
@@ -43,6 +47,9 @@ class PhaseAwarePress(WindowedPress):
         None means ``2 * stride`` when overlapping and ``stride`` otherwise. An explicit window must be
         ``> stride`` with ``overlap=True`` and ``== stride`` with ``overlap=False``.
     stagger : {"head", "layer", "head_layer", "none"}, default "head"
+    spread : {"period", "stride"}, default "period"
+        Range the staggered offsets are spread over: one period of the pool-mode merge pattern, or the whole
+        stride. Select mode has no fixed pattern and always spreads over the stride.
     overlap : bool or None, default False
         None means True in pool mode and False in select mode (select mode cannot overlap).
     align : bool, default False
@@ -55,6 +62,7 @@ class PhaseAwarePress(WindowedPress):
 
     window: Optional[int] = None
     stagger: str = "head"
+    spread: str = "period"
     overlap: Optional[bool] = False
     align: bool = False
     n_layers: Optional[int] = field(default=None, init=False, repr=False, compare=False)  # from the model
@@ -71,6 +79,7 @@ class PhaseAwarePress(WindowedPress):
 
     def validate(self) -> None:
         _check_choice("stagger", self.stagger, STAGGERS)
+        _check_choice("spread", self.spread, SPREADS)
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be True, False or None, got {self.overlap!r}")
         if not isinstance(self.align, bool):
@@ -98,10 +107,13 @@ class PhaseAwarePress(WindowedPress):
     def stagger_shifts(self, layer_idx: int, heads: int, n_layers: int) -> torch.Tensor:
         """``(heads,)`` shift added to the base offset of each head in layer ``layer_idx``.
 
-        The grids being staggered (heads, layers or both) get shifts ``floor(g * stride / G)`` for
-        ``g = 0 .. G-1``, spread evenly over the stride.
+        The grids being staggered (heads, layers or both) get shifts ``floor(g * P / G)`` for ``g = 0 .. G-1``,
+        where ``P`` is the merge pattern's period (``spread="period"``, pool mode) or the stride.
         """
         S = self.stride
+        P = S
+        if self.spread == "period" and self.mode == "pool":
+            P = merge_period(S, kept_per_window(S, self.compression_ratio))
         h = torch.arange(heads)
         if self.stagger == "none":
             g, G = torch.zeros_like(h), 1
@@ -111,7 +123,7 @@ class PhaseAwarePress(WindowedPress):
             g, G = torch.full_like(h, layer_idx), n_layers
         else:
             g, G = layer_idx * heads + h, n_layers * heads
-        return torch.div(g * S, max(G, 1), rounding_mode="floor") % S
+        return torch.div(g * P, max(G, 1), rounding_mode="floor") % S
 
     def aligned_offsets(self, scores: torch.Tensor) -> torch.Tensor:
         """``(batch,)`` base offset per row whose boundaries cut the highest-scoring spans least."""

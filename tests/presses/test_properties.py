@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress
-from kvpress_phase.phase import compressed_length, kept_per_window, phase_of
+from kvpress_phase.phase import compressed_length, group_bounds, kept_per_window, merge_period, phase_of
 from kvpress_phase.rope import rotate
 
 HEAD_DIM = 8
@@ -158,14 +158,35 @@ def test_phase_of_every_kept_entry(p, stagger):
 
 @given(stride=st.integers(2, 16), heads=st.integers(2, 16), offset=st.integers(0, 30), token=st.integers(0, 500))
 def test_staggered_offsets_give_each_head_a_different_phase(stride, heads, offset, token):
-    press = PhaseAwarePress(0.5, stride=stride, offset=offset, stagger="head")
+    press = PhaseAwarePress(0.5, stride=stride, offset=offset, stagger="head", spread="stride")
     offsets = press.grid_offsets(FakeAttention(), None, 1, heads, 1000)[0]
     phases = phase_of(torch.tensor(token), stride, offsets)
     assert len(set(phases.tolist())) == min(heads, stride)
 
 
+@given(stride=st.sampled_from([2, 4, 8, 16]), ratio=st.floats(0.0, 0.95), heads=st.integers(1, 8),
+       token=st.integers(0, 500))
+def test_period_spread_gives_each_head_a_different_phase_within_the_merge_period(stride, ratio, heads, token):
+    """Offsets one merge period apart merge the same phases, so the spread covers one period, evenly."""
+    press = PhaseAwarePress(ratio, stride=stride, stagger="head")
+    period = merge_period(stride, kept_per_window(stride, ratio))
+    offsets = press.grid_offsets(FakeAttention(), None, 1, heads, 1000)[0]
+    phases = phase_of(torch.tensor(token), stride, offsets) % period
+    assert len(set(phases.tolist())) == min(heads, period)
+
+
+@given(stride=st.integers(1, 32), data=st.data())
+def test_merge_period_is_the_smallest_shift_that_preserves_the_groups(stride, data):
+    k = data.draw(st.integers(1, stride))
+    period = merge_period(stride, k)
+    starts = set(group_bounds(stride, stride, k)[0])
+    shifted = lambda p: {(b + p) % stride for b in starts}  # noqa: E731
+    assert stride % period == 0 and shifted(period) == starts
+    assert all(shifted(p) != starts for p in range(1, period) if stride % p == 0)
+
+
 def test_layer_stagger_differs_across_layers():
-    press = PhaseAwarePress(0.5, stride=8, stagger="layer")
+    press = PhaseAwarePress(0.125, stride=8, stagger="layer")  # k = 7: the merge pattern's period is the stride
     press.n_layers = 8
     first = {int(press.grid_offsets(FakeAttention(layer), None, 1, 2, 100)[0, 0]) for layer in range(8)}
     assert first == set(range(8))

@@ -37,7 +37,7 @@ def test_select_mode_cannot_overlap():
         PhaseAwarePress(0.5, mode="select", overlap=True)
 
 
-@pytest.mark.parametrize("name,value", [("stagger", "row"), ("overlap", "yes"), ("align", 1)])
+@pytest.mark.parametrize("name,value", [("stagger", "row"), ("spread", "window"), ("overlap", "yes"), ("align", 1)])
 def test_phase_aware_switches(name, value):
     with pytest.raises(ValueError, match=name):
         PhaseAwarePress(**{name: value})
