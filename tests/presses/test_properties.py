@@ -158,7 +158,7 @@ def test_phase_of_every_kept_entry(p, stagger):
 
 @given(stride=st.integers(2, 16), heads=st.integers(2, 16), offset=st.integers(0, 30), token=st.integers(0, 500))
 def test_staggered_offsets_give_each_head_a_different_phase(stride, heads, offset, token):
-    press = PhaseAwarePress(0.5, stride=stride, offset=offset, stagger="head", spread="stride")
+    press = PhaseAwarePress(0.5, stride=stride, offset=offset, stagger="head", spread="stride", align=False)
     offsets = press.grid_offsets(FakeAttention(), None, 1, heads, 1000)[0]
     phases = phase_of(torch.tensor(token), stride, offsets)
     assert len(set(phases.tolist())) == min(heads, stride)
@@ -168,7 +168,7 @@ def test_staggered_offsets_give_each_head_a_different_phase(stride, heads, offse
        token=st.integers(0, 500))
 def test_period_spread_gives_each_head_a_different_phase_within_the_merge_period(stride, ratio, heads, token):
     """Offsets one merge period apart merge the same phases, so the spread covers one period, evenly."""
-    press = PhaseAwarePress(ratio, stride=stride, stagger="head")
+    press = PhaseAwarePress(ratio, stride=stride, stagger="head", align=False)
     period = merge_period(stride, kept_per_window(stride, ratio))
     offsets = press.grid_offsets(FakeAttention(), None, 1, heads, 1000)[0]
     phases = phase_of(torch.tensor(token), stride, offsets) % period
@@ -186,7 +186,7 @@ def test_merge_period_is_the_smallest_shift_that_preserves_the_groups(stride, da
 
 
 def test_layer_stagger_differs_across_layers():
-    press = PhaseAwarePress(0.125, stride=8, stagger="layer")  # k = 7: the merge pattern's period is the stride
+    press = PhaseAwarePress(0.125, stride=8, stagger="layer", align=False)  # k = 7: the merge pattern's period is the stride
     press.n_layers = 8
     first = {int(press.grid_offsets(FakeAttention(layer), None, 1, 2, 100)[0, 0]) for layer in range(8)}
     assert first == set(range(8))
