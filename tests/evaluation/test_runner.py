@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -103,9 +104,13 @@ def test_two_processes_write_shards_and_merge_deterministically(tmp_path):
     )
     out = tmp_path / "dist"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    with socket.socket() as sock:  # a free port: a fixed one can still be in TIME_WAIT from an earlier run
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            str(script), str(out)]
-    subprocess.run(cmd, check=True, env=env, timeout=300, capture_output=True)
+    job = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
+    assert job.returncode == 0, job.stderr[-3000:]
     shards = sorted(os.listdir(out / "results"))
     assert shards == ["results-rank0.jsonl", "results-rank1.jsonl"]
     merged = read_results(str(out))
