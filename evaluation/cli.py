@@ -21,7 +21,7 @@ from .runner import EvalConfig
 QUICK = EvalConfig(
     tasks=["niah_single", "niah_multikey"],
     presses=list(PRESS_DESCRIPTIONS),
-    compression_ratios=[0.5],
+    compression_ratios=[0.25],
     strides=[8],
     protocol="prefix",
     context_lengths=[512],
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated press names, each optionally with :key=value settings for our presses, "
                          "e.g. phase_aware:stagger=none (default: all registered presses)")
     ev.add_argument("--compression-ratios", type=_csv(float, "--compression-ratios"),
-                    default=QUICK.compression_ratios, help="comma-separated ratios in [0, 1) (default: 0.5)")
+                    default=QUICK.compression_ratios, help="comma-separated ratios in [0, 1) (default: 0.25)")
     ev.add_argument("--strides", type=_csv(int, "--strides"), default=QUICK.strides,
                     help="comma-separated window strides S (default: 8)")
     ev.add_argument("--windows", type=_csv(int, "--windows"), default=None,
