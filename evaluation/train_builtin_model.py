@@ -12,7 +12,10 @@ The curriculum is a list of stages (``--lengths``, ``--copy-fraction``, ``--max-
 copy-only at 128 tokens, because the copy skill forms within a few thousand steps alone but not when mixed with
 the tasks from the start; later stages mix the tasks in at growing lengths. A stage ends when the metric of the
 last ``--window`` batches passes ``--advance-at`` (copy token accuracy in a copy-only stage, the answers' exact
-match otherwise) or after its maximum number of steps; the last stage cycles through the three longest lengths. Checkpoints (model, optimizer, schedule, curriculum,
+match otherwise) or after its maximum number of steps; the last stage cycles through the three longest lengths.
+From step ``--extend-from`` on, an extension phase trains on ``--extend-lengths`` in turn with its own task mix
+(more weight on what the curriculum leaves weakest) and a warm-restarted cosine schedule; the curriculum's own
+cosine runs over ``--base-steps``. Checkpoints (model, optimizer, schedule, curriculum,
 log) are written every ``--checkpoint-every`` steps to ``--checkpoint-dir``; rerunning the same command resumes.
 Batches are a pure function of (seed, step), so a resumed run sees the data an uninterrupted run would.
 At the end the model is saved in the Hugging Face format with its tokenizer, and the loss curve as a PNG.
