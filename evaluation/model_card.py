@@ -150,9 +150,13 @@ def _schedule_lines(cfg: dict, history: list[dict]) -> list[str]:
     for h in history:
         starts.setdefault(h["stage"], h)
     n_stages = len(cfg["lengths"])
-    curriculum = [f"stage {stage + 1} ({cfg['lengths'][stage] if stage < n_stages - 1 else 'cycling ' + '/'.join(map(str, cfg['lengths'][-3:]))}"
-                  f" tokens, copy share {cfg['copy_fraction'][stage]:g}) from step {h['step']}"
-                  for stage, h in sorted(starts.items()) if stage < n_stages]
+
+    def stage_lengths(stage: int) -> str:  # the last curriculum stage cycles through the three longest lengths
+        return str(cfg["lengths"][stage]) if stage < n_stages - 1 else "cycling " + "/".join(
+            map(str, cfg["lengths"][-3:]))
+
+    curriculum = [f"stage {stage + 1} ({stage_lengths(stage)} tokens, copy share {cfg['copy_fraction'][stage]:g}) "
+                  f"from step {h['step']}" for stage, h in sorted(starts.items()) if stage < n_stages]
     lines = [
         f"- curriculum: lr {cfg['lr']:g} with {cfg['warmup']} warm-up steps and cosine decay towards "
         f"{cfg['min_lr']:g} over {cfg.get('base_steps', cfg['steps'])} steps; a stage ends when the mean of the last "
