@@ -40,7 +40,8 @@ def test_eval_writes_summary_plots_and_report(model_dir, tmp_path, capsys):
     assert {r["press"] for r in summary} == {"no_press", "chunked_stride", "knorm"}
     for record in summary:
         for key in ("task", "press", "compression_ratio", "stride", "protocol", "mean", "per_phase", "per_phase_ci",
-                    "gap", "gap_ci_low", "gap_ci_high", "boundary", "p_value", "n_samples"):
+                    "gap", "gap_xfit", "gap_xfit_ci_low", "gap_xfit_ci_high", "boundary", "p_value", "cochran_p",
+                    "detectable_gap", "n_samples"):
             assert key in record
         assert len(record["per_phase"]) == 4 and record["n_samples"] == 2
     assert (out / "report.md").exists() and (out / "results.csv").exists()
