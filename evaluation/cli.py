@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     ev.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="model dtype (default: float32)")
+    ev.add_argument("--matched-cache", action="store_true",
+                    help="run the kvpress baselines at the ratio that gives them exactly ChunkedStridePress's cache "
+                         "length for each context (our presses protect n_sink + n_local tokens, so at one nominal "
+                         "ratio they keep a few more entries); the nominal ratio still names the cell")
+    ev.add_argument("--no-diagnostics", action="store_true",
+                    help="skip the needle-attention diagnostic (faster; accuracy is unchanged)")
     ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs (default: 2000)")
     ev.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -157,6 +163,7 @@ def _cmd_eval(args) -> int:
         model=args.model, tasks=args.tasks, presses=args.presses, compression_ratios=args.compression_ratios,
         strides=args.strides, windows=args.windows, phases=args.phases, protocol=args.protocol,
         context_lengths=args.context_lengths, samples=args.samples, seed=args.seed, dtype=args.dtype,
+        diagnostics=not args.no_diagnostics, matched_cache=args.matched_cache,
     )
     try:
         config.validate()

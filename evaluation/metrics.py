@@ -274,6 +274,7 @@ def summarize_group(df: pd.DataFrame, stride: int, *, n_resamples: int = 2000, n
         "n_paired": int(paired.shape[0]),
         "phases": present,
         "attention_per_phase": _attention_per_phase(df, stride),
+        "cache_length": _clean(float(df["cache_length"].mean())) if "cache_length" in df else None,
     }
 
 
