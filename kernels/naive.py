@@ -101,6 +101,16 @@ def _positions_tensor(layout: WindowLayout, entry_positions: torch.Tensor) -> to
     return _assemble(raw, entry_positions.flatten(2), layout)
 
 
+def _take_rows(x: torch.Tensor, flat_index: torch.Tensor, length: int) -> torch.Tensor:
+    """``(batch * heads * length, dim)`` rows of ``x`` (``(batch, heads, seq_len, dim)``) at ``flat_index``
+    (``row * seq_len + position``): one contiguous row copy each, much faster on CPU than ``gather`` along dim 2."""
+    if x.is_contiguous():
+        return x.reshape(-1, x.shape[-1]).index_select(0, flat_index)
+    b, h, n, d = x.shape
+    pos = (flat_index % n).view(b, h, length)
+    return x.gather(2, pos[..., None].expand(-1, -1, -1, d)).reshape(-1, d)
+
+
 def _passthrough(keys: torch.Tensor, values: torch.Tensor, layout: WindowLayout) -> Compressed:
     n = keys.shape[2]
     pos = torch.arange(n, device=keys.device).expand(keys.shape[0], keys.shape[1], n)
@@ -327,11 +337,13 @@ def keep_and_pool(
     ends = src + 1
     ends.scatter_(2, merged_at, starts + plan["last_member"] + 1)
 
+    rows = torch.arange(layout.batch * layout.heads, device=device).view(layout.batch, layout.heads, 1)
+    flat_src = (rows * layout.seq_len + src).flatten()
+    flat_merged = (rows * C + merged_at).flatten()
+
     def assemble(x, merged):
-        d = x.shape[-1]
-        out = x.gather(2, src[..., None].expand(-1, -1, -1, d))
-        out.scatter_(2, merged_at[..., None].expand(-1, -1, -1, d), _to_dtype(merged, x.dtype))
-        return out
+        return _take_rows(x, flat_src, C).index_copy_(
+            0, flat_merged, _to_dtype(merged, x.dtype).flatten(0, 2)).view(layout.batch, layout.heads, C, -1)
 
     positions = src.clone()
     positions.scatter_(2, merged_at, starts + plan["first_member"])
