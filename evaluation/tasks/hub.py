@@ -41,7 +41,7 @@ from typing import Iterable, Optional, Sequence
 
 from kvpress_phase.phase import phase_of
 
-from ..prompting import encode_with_offsets, offsets_to_token_span
+from ..prompting import check_tokenizer, encode_with_offsets, offsets_to_token_span
 from .base import EVAL_SEED_LIMIT, Placed, derive_seed, phase_columns, single_token_words
 from .vocab import PAD_WORDS
 
@@ -254,7 +254,8 @@ def replace_needles(
     dataset : datasets.Dataset (or a list of row dicts)
         Rows with the columns of :data:`KVPRESS_COLUMNS`; ``answer`` is a list of strings (or one string).
     tokenizer : transformers fast tokenizer
-        The model's tokenizer (positions are prefill positions, BOS or chat-template opening included).
+        The model's tokenizer (positions are prefill positions, BOS or chat-template opening included); it
+        must be fast and have a BOS token or a chat template (ValueError otherwise, as for ``generate``).
     stride, phases, protocol, offset
         As in :func:`~kvpress_phase.evaluation.tasks.generate`.
     filler_words : sequence of str, optional
@@ -291,6 +292,7 @@ def replace_needles(
     missing = [c for c in KVPRESS_COLUMNS if c not in columns]
     if missing:
         raise ValueError(f"the dataset lacks kvpress's evaluation column(s) {missing}; it has {columns}")
+    check_tokenizer(tokenizer)
     unknown = [tokenizer.unk_token_id] if tokenizer.unk_token_id is not None else None
     words = [
         w
