@@ -133,6 +133,37 @@ def test_passage_label_keeps_its_line_start_token(bpe):
         assert row["context"].startswith(label) or f"\n{label}:" in row["context"]
 
 
+def _longbench_style_rows(n_rows: int = 3) -> list[dict]:
+    """Passage-retrieval rows shaped like LongBench's: "Paragraph N: ..." blocks, the answer a label."""
+    rng = random.Random(5)
+    rows = []
+    for i in range(n_rows):
+        paragraphs = [f"Paragraph {j + 1}: " + " ".join(vocab.essay_sentence(rng) for _ in range(3)) for j in range(6)]
+        target = 1 + i
+        rows.append({"context": ("\n\n" if i % 2 else "\n").join(paragraphs), "question": "Which paragraph?",
+                     "answer_prefix": "The answer is", "answer": [f"Paragraph {target + 1}"], "task": "hand",
+                     "max_new_tokens": 6})
+    return rows
+
+
+def test_replace_needles_keeps_the_answer_token_at_every_phase(bpe, bpe_chatml):
+    """Re-placed hub rows whose answer starts a line: the filler goes before the line break."""
+    source = _longbench_style_rows()
+    for tokenizer in (bpe, bpe_chatml):
+        ds = replace_needles(source, tokenizer, stride=STRIDE, phases=range(STRIDE), offset=2)
+        for sid in range(len(source)):
+            rows = [r for r in ds if r["sample_id"] == sid]
+            firsts = set()
+            for row in rows:
+                ids = context_token_ids(tokenizer, row["context"])
+                a, b = row["answer_token_start"], row["answer_token_end"]
+                assert len(ids) == row["context_length"] == len(context_token_ids(tokenizer, source[sid]["context"]))
+                assert phase_of(a, STRIDE, row["offset"]) == row["phase"]
+                assert tokenizer.decode(ids[a:b]).strip() == row["answer_span_text"] == source[sid]["answer"][0]
+                firsts.add(ids[a])
+            assert len(rows) == STRIDE and len(firsts) == 1
+
+
 # ------------------------------------------------------------------------------------------ unusable tokenizers
 def _slow_tokenizer():
     from transformers import ByT5Tokenizer
