@@ -133,6 +133,15 @@ def test_passage_label_keeps_its_line_start_token(bpe):
         assert row["context"].startswith(label) or f"\n{label}:" in row["context"]
 
 
+def test_a_padding_that_changes_the_answer_token_is_refused(bpe, monkeypatch):
+    """With the filler forced after the separator, the label's token changes: generate says so."""
+    from kvpress_phase.evaluation.tasks.base import Assembler
+
+    monkeypatch.setattr(Assembler, "choose_filler_layout", lambda self: None)
+    with pytest.raises(RuntimeError, match="changes the answer's tokens"):
+        generate("passage_retrieval", bpe, n_samples=1, context_length=LENGTH, stride=STRIDE, phases=range(STRIDE))
+
+
 def _longbench_style_rows(n_rows: int = 3) -> list[dict]:
     """Passage-retrieval rows shaped like LongBench's: "Paragraph N: ..." blocks, the answer a label."""
     rng = random.Random(5)
