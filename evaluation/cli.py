@@ -134,20 +134,37 @@ def _check_output_dir(path: str) -> None:
 
 
 def load_model(model: Optional[str], device: str, dtype: str):
-    """Model and tokenizer from a path or hub id, or the built-in model."""
+    """Model and tokenizer from a path or hub id, or the built-in model.
+
+    The tokenizer is loaded and checked first (:func:`~.prompting.check_tokenizer`), so an unusable one is
+    reported before the model's weights are read.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .prompting import check_tokenizer
 
     if model is None:
         from kvpress_phase.builtin import builtin_model_path
 
         model = builtin_model_path()
+
+    def fail(exc: Exception, what: str) -> UsageError:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return UsageError(f"--model {model!r} {what}: {first}")
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        raise fail(exc, "cannot be loaded") from None
+    try:
+        check_tokenizer(tokenizer)
+    except ValueError as exc:
+        raise fail(exc, "has an unusable tokenizer") from None
+    try:
         lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--model {model!r} cannot be loaded: {first}") from None
+        raise fail(exc, "cannot be loaded") from None
     return lm.to(device).eval(), tokenizer
 
 

@@ -31,6 +31,7 @@ from kvpress import BasePress, KVPressTextGenerationPipeline
 
 from .diagnostics import needle_attention
 from .presses import PHASE_GRID_PRESSES, PressSpec, build_press, parse_press_spec
+from .prompting import check_tokenizer
 from .tasks import PROTOCOLS, generate, get_task, score
 
 RESULTS_DIR = "results"
@@ -268,11 +269,14 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
                    max_units: Optional[int] = None) -> pd.DataFrame:
     """Run (or resume) ``config`` and return the merged per-example results.
 
-    ``max_units`` stops after that many work units of this rank (used to test interruption).
+    ``max_units`` stops after that many work units of this rank (used to test interruption). A tokenizer that
+    the pipeline or the task generators cannot use (not fast, or neither a BOS token nor a chat template)
+    raises ValueError before anything is written or run.
     """
     from tqdm.auto import tqdm
 
     config.validate()
+    check_tokenizer(tokenizer)
     rank, world, barrier = distributed_state()
     os.makedirs(os.path.join(output_dir, RESULTS_DIR), exist_ok=True)
     config_path = os.path.join(output_dir, "config.json")
