@@ -101,6 +101,18 @@ def _positions_tensor(layout: WindowLayout, entry_positions: torch.Tensor) -> to
     return _assemble(raw, entry_positions.flatten(2), layout)
 
 
+def _weighted_rows(mix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``(batch, heads, n, dim)`` float32: ``sum_j mix[..., i, j] * x[..., i, j, :]`` for windows ``x`` of shape
+    ``(batch, heads, n, W, dim)``. One batched matrix product per (batch, head) row, so that the windows of a row,
+    a view into the cache, are read in place instead of being copied to a contiguous batch first."""
+    out = torch.empty(mix.shape[:-1] + (x.shape[-1],), dtype=torch.float32, device=x.device)
+    w = mix.unsqueeze(-2)
+    for b in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            torch.matmul(w[b, h], x[b, h].float(), out=out[b, h].unsqueeze(-2))
+    return out
+
+
 def _take_rows(x: torch.Tensor, flat_index: torch.Tensor, length: int) -> torch.Tensor:
     """``(batch * heads * length, dim)`` rows of ``x`` (``(batch, heads, seq_len, dim)``) at ``flat_index``
     (``row * seq_len + position``): one contiguous row copy each, much faster on CPU than ``gather`` along dim 2."""
@@ -314,15 +326,14 @@ def keep_and_pool(
     slots = torch.arange(S, device=device)
     kw = _windows(keys, layout)  # (B, H, nw, S, D)
     vw = _windows(values, layout)
-    w = mix[..., None, :]  # (B, H, nw, 1, S)
     if rope == "none":
-        merged_k = (w @ kw.float())[..., 0, :]
+        merged_k = _weighted_rows(mix, kw)
     else:
-        merged_k = (w @ rotate(kw, -slots, inv_freq))[..., 0, :]  # every key back to its window start
+        merged_k = _weighted_rows(mix, rotate(kw, -slots, inv_freq))  # every key back to its window start
         first, last = plan["first_member"].float(), plan["last_member"].float()
         rep = {"start": first, "center": (first + last) / 2, "centroid": (mix * slots).sum(dim=-1)}[rope]
         merged_k = rotate(merged_k, rep, inv_freq)
-    merged_v = (w @ vw.float())[..., 0, :]
+    merged_v = _weighted_rows(mix, vw)
 
     C = layout.seq_len - nw * S + plan["kept"] + nw
     starts = layout.window_starts()  # (B, H, nw)

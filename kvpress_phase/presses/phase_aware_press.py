@@ -159,8 +159,11 @@ class PhaseAwarePress(WindowedPress):
             raw = torch.ones(B, H, n, dtype=torch.bool, device=s.device)
             return raw.scatter_(2, win_pos.flatten(2), keep.flatten(2))
         flat_key, flat_orig = key.flatten(2), original.flatten(2)
-        order = flat_orig.argsort(dim=-1, descending=True, stable=True)
-        order = order.gather(-1, flat_key.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+        if self.span > 0:  # by dilated score, ties to the higher original score
+            order = flat_orig.argsort(dim=-1, descending=True, stable=True)
+            order = order.gather(-1, flat_key.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+        else:
+            order = flat_key.argsort(dim=-1, descending=True, stable=True)
         keep = torch.zeros_like(flat_key, dtype=torch.bool).scatter_(-1, order[..., :n_raw], True)
         raw = torch.ones(B, H, n, dtype=torch.bool, device=s.device)
         return raw.scatter_(2, win_pos.flatten(2), keep)
