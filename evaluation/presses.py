@@ -66,22 +66,24 @@ def parse_press_spec(text: str) -> PressSpec:
 
 SCORERS = {
     "knorm": "KnormPress",
-    "snapkv": "SnapKVPress",
+    "snapkv": "kvpress_phase.presses.scorers.SnapKVScorer",
     "expected_attention": "ExpectedAttentionPress",
     "tova": "TOVAPress",
     "keydiff": "KeyDiffPress",
     "random": "RandomPress",
 }
-"""kvpress scorers our presses accept by name in a spec (``phase_aware:scorer=snapkv``)."""
+"""Scorers our presses accept by name in a spec (``phase_aware:scorer=snapkv``): kvpress's, and for ``snapkv`` its
+partial-rotary-safe version :class:`~kvpress_phase.presses.scorers.SnapKVScorer` (same scores otherwise)."""
 
 
 def scorer_from_name(name: str):
     """A fresh kvpress ``ScorerPress`` for a name of :data:`SCORERS`; ValueError listing the names otherwise."""
-    import kvpress
+    import importlib
 
     if name not in SCORERS:
         raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(SCORERS)}")
-    return getattr(kvpress, SCORERS[name])()
+    module, _, cls = SCORERS[name].rpartition(".")
+    return getattr(importlib.import_module(module or "kvpress"), cls)()
 
 
 def matched_ratio(context_length: int, stride: int, compression_ratio: float) -> float:
