@@ -13,7 +13,7 @@ from typing import Callable, Optional
 PRESS_DESCRIPTIONS = {
     "no_press": "no compression (the uncompressed control)",
     "chunked_stride": "ChunkedStridePress: fixed windows every stride tokens, each merged into k entries",
-    "phase_aware": "PhaseAwarePress: the same budget, aligned grids staggered per KV head",
+    "phase_aware": "PhaseAwarePress: the same cache length, the best tokens of the row kept raw (SnapKV scores shared by the KV heads), the rest pooled",
     "snapkv": "kvpress SnapKVPress (attention of the last window's queries)",
     "knorm": "kvpress KnormPress (key norm)",
     "streaming_llm": "kvpress StreamingLLMPress (sink + recent tokens)",

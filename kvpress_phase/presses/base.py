@@ -170,13 +170,16 @@ class WindowedPress(BasePress):
             self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
             return keys, values
 
-        scores = None
-        if self.needs_scores or self.needs_scores_for_grid:
-            scores = self.scorer.score(module, hidden_states, keys, values, attentions, kwargs).float()
+        def score():
+            return self.scorer.score(module, hidden_states, keys, values, attentions, kwargs).float()
+
+        scores = score() if self.needs_scores_for_grid else None
         layout = self.layout_for(module, keys, scores)
-        if layout.n_windows == 0:
+        if layout.n_windows == 0:  # too short for one window: nothing to score or compress
             self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
             return keys, values
+        if scores is None and self.needs_scores:
+            scores = score()
 
         out = self.compress_windows(module, keys, values, scores, layout)
         ends = out.ends if out.ends is not None else self._entry_ends(layout, out.positions)

@@ -11,7 +11,10 @@ from torch import nn
 
 from kvpress_phase.kernels import Compressed, keep_and_pool
 from kvpress_phase.phase import WindowLayout, kept_per_window, merge_period
+from kvpress import ScorerPress
+
 from kvpress_phase.presses.base import WindowedPress, _check_choice, _check_int
+from kvpress_phase.presses.scorers import SnapKVScorer
 from kvpress_phase.rope import rotary_inv_freq
 
 STAGGERS = ("none", "head", "layer", "head_layer")
@@ -24,49 +27,75 @@ ROW_POOL_WINDOWS = 4
 
 @dataclass
 class PhaseAwarePress(WindowedPress):
-    """Chunked-stride compression whose grid does not favour any phase.
+    """Chunked compression at ``ChunkedStridePress``'s cache length, with no weak phase.
 
     Keeps exactly as many entries as :class:`~kvpress_phase.ChunkedStridePress` with the same ``stride``,
-    ``compression_ratio``, ``n_sink`` and ``n_local`` (the number of windows never depends on the offset, see
-    its docstring), and removes the dependence on phase with four mechanisms, each switchable for ablations:
+    ``compression_ratio``, ``n_sink`` and ``n_local`` (every window yields ``k`` entries on average), but does not
+    give every window the same fixed slots. Whatever is fixed per window (which slots merge, how many tokens a
+    window may keep) favours facts at some offsets over others; a budget that follows the content across the
+    whole row does not. So by default (``budget="row"``):
+
+    - the ``n_sink`` first and ``n_local`` last tokens stay raw, as in ``ChunkedStridePress``;
+    - the **best tokens of the whole row** stay raw, wherever they are: as many as the windows' budget allows
+      after one pooled entry per pooling window. "Best" is the scorer's score averaged over the KV heads
+      (``share_heads``: every head keeps the same tokens, so a fact is kept whole in every head);
+    - the **leftovers are pooled**: the tokens of every ``pool_window`` consecutive positions (``4 * stride`` by
+      default) that are not kept raw are merged into one entry (mean of the values; keys un-rotated, averaged and
+      re-rotated at the first leftover's position, ``rope="start"``), so nothing is dropped without a trace;
+    - the default scorer, :class:`~kvpress_phase.presses.scorers.SnapKVScorer`, is query-aware in the only
+      way kvpress allows: it scores keys by the attention of the context's last 64 tokens (kvpress compresses the
+      context before the question is appended, so no scorer sees the question).
+
+    This was chosen on a pre-registered dev split and confirmed on a held-out test split (other strides, ratios
+    and lengths): no detectable phase effect in any cell, and at least the best kvpress baseline's accuracy minus
+    0.03 at matched cache length (``RESULTS.md``, ``docs/preregistration-phase-aware.md``).
+
+    The earlier mechanisms remain for ablations and for budgets fixed per window (``budget="window"``, the
+    previous default, scores from ``scorer`` used only for alignment):
 
     - **staggered offsets** (``stagger``): every KV head (``"head"``), layer (``"layer"``) or (layer, head) pair
-      (``"head_layer"``) uses its own grid offset, so a token whose neighbours one head merges is kept apart by
-      another. The offsets are spread evenly over one period of the merge pattern (``spread="period"``, see
-      :func:`~kvpress_phase.phase.merge_period`): with ``k = 4`` of 8 the pattern repeats every 2 slots, and
-      grids 4 apart would merge exactly the same phases. ``spread="stride"`` spreads them over ``[0, stride)``.
-    - **overlapping windows** (``overlap``, pool mode): windows of ``2 * stride`` tokens every ``stride`` tokens,
-      as in DeepSeek-V4's compressed attention, so every token is merged into entries of two windows at two
-      different in-window offsets.
-    - **RoPE-aware merging** (``rope="centroid"``): keys are un-rotated, merged, and re-rotated at the
-      score-weighted centroid of their group (with ``weighting="score"``), so a merged key points where its
-      content came from.
-    - **boundary-aware alignment** (``align``): per sequence and layer, the base offset is the one whose window
-      boundaries cut the highest-scoring spans least (for each offset, the sum over its boundaries of the lower
-      of the two neighbouring tokens' min-max-normalised scores; the lowest wins). Staggered shifts are added
-      on top.
+      (``"head_layer"``) uses its own grid offset, spread over one period of the merge pattern
+      (``spread="period"``, see :func:`~kvpress_phase.phase.merge_period`) or over the stride;
+    - **overlapping windows** (``overlap``, pool mode): windows of ``2 * stride`` tokens every ``stride`` tokens;
+    - **RoPE-aware merging** (``rope="centroid"`` with ``weighting="score"``);
+    - **boundary-aware alignment** (``align``): per sequence and layer, the offset whose window boundaries cut
+      the highest-scoring spans least.
+
+    ``budget="window_topk"`` keeps the ``k - 1`` best tokens of every window raw and pools the rest: content
+    picks the tokens but each window has the same budget, and an answer in mid-window loses out to one that
+    straddles two windows (measured in ``RESULTS.md``).
 
     Parameters
     ----------
     All those of :class:`~kvpress_phase.ChunkedStridePress`, with these differences:
 
+    scorer : kvpress.ScorerPress, default ``SnapKVScorer()``
+        Scores that choose the raw tokens (``budget="row"``/``"window_topk"``), align the grid
+        (``budget="window"``, ``align``) and weight pooling (``weighting="score"``).
+    budget : {"row", "window", "window_topk"}, default "row"
+        How the entries are shared out: across the row by score, by fixed slots per window, or by score within
+        each window. ``"row"`` and ``"window_topk"`` need ``mode="pool"`` without overlap.
+    share_heads : bool, default True
+        Average the scores over the KV heads before choosing raw tokens (every head keeps the same tokens).
+    pool_window : int or None, default None
+        Length of the stretches whose leftovers form one pooled entry under ``budget="row"``: ``>= stride``;
+        None means ``4 * stride``.
+    residual : {"pool", "drop"}, default "pool"
+        ``"drop"`` gives the pooled entries' budget to raw tokens instead (no pooling at all: an ablation).
+    span, span_pool : int, {"max", "mean"}, defaults 0 and "max"
+        Dilate the scores by a running maximum (or mean) over ``2 * span + 1`` tokens before choosing, so the
+        neighbours of a high-scoring token stay with it (lowered accuracy on the dev split; off by default).
     window : int or None, default None
-        None means ``2 * stride`` when overlapping and ``stride`` otherwise. An explicit window must be
-        ``> stride`` with ``overlap=True`` and ``== stride`` with ``overlap=False``.
+        None means ``2 * stride`` when overlapping and ``stride`` otherwise.
     stagger : {"head", "layer", "head_layer", "none"}, default "head"
     spread : {"period", "stride"}, default "period"
-        Range the staggered offsets are spread over: one period of the pool-mode merge pattern, or the whole
-        stride. Select mode has no fixed pattern and always spreads over the stride.
     overlap : bool or None, default False
         None means True in pool mode and False in select mode (select mode cannot overlap).
     align : bool, default True
-        With alignment the grid follows the content, so ``offset`` is not used.
+        ``budget="window"`` only: the grid follows the scores, so ``offset`` is not used.
 
-    Defaults (per-head grids staggered over the merge period, boundary-aware alignment, ChunkedStridePress's
-    pooling and RoPE handling otherwise) are the combination that measured best on the built-in model
-    (``RESULTS.md``): alignment gave the flattest phase profile and the best worst phase at ratios 0.125 and
-    0.25 with about the same mean; overlapping windows made every merged entry twice as coarse and recall
-    collapsed at every phase; score weighting with centroid merging did not beat mean pooling at the group start.
+    Under ``budget="row"`` the pooling stretches sit on the plain grid (``offset``); staggering and alignment
+    apply to the window budgets only.
     """
 
     window: Optional[int] = None
@@ -74,10 +103,11 @@ class PhaseAwarePress(WindowedPress):
     spread: str = "period"
     overlap: Optional[bool] = False
     align: bool = True
-    budget: str = "window"
+    scorer: ScorerPress = field(default_factory=SnapKVScorer)
+    budget: str = "row"
     span: int = 0
     span_pool: str = "max"
-    share_heads: bool = False
+    share_heads: bool = True
     residual: str = "pool"
     pool_window: Optional[int] = None
     n_layers: Optional[int] = field(default=None, init=False, repr=False, compare=False)  # from the model
@@ -103,7 +133,7 @@ class PhaseAwarePress(WindowedPress):
             raise ValueError(f"share_heads must be True or False, got {self.share_heads!r}")
         if self.budget != "window" and (self.mode != "pool" or self.overlap):
             raise ValueError(f"budget={self.budget!r} needs mode='pool' and overlap=False: it keeps the best tokens "
-                             "raw and pools the others")
+                             "raw and pools the others; use budget='window' for select mode or overlapping windows")
         _check_choice("stagger", self.stagger, STAGGERS)
         _check_choice("spread", self.spread, SPREADS)
         if self.overlap is not None and not isinstance(self.overlap, bool):

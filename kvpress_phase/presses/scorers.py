@@ -13,6 +13,7 @@ context tokens; a question that the context ends with, or a context whose end re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -29,8 +30,18 @@ class SnapKVScorer(SnapKVPress):
 
     Parameters are SnapKVPress's: ``compression_ratio`` (unused when it serves as a scorer), ``window_size``
     (default 64: the last context tokens whose attention is averaged) and ``kernel_size`` (default 5: the
-    average pooling of the scores along the sequence).
+    average pooling of the scores along the sequence). A context no longer than ``window_size`` tokens (where
+    kvpress refuses) is scored with the attention of its second half.
     """
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        n = hidden_states.shape[1]
+        if n > self.window_size:
+            return super().score(module, hidden_states, keys, values, attentions, kwargs)
+        if n < 2:
+            return keys.new_zeros(keys.shape[:3], dtype=torch.float32)
+        short = dataclasses.replace(self, window_size=n // 2)
+        return SnapKVPress.score(short, module, hidden_states, keys, values, attentions, kwargs)
 
     @staticmethod
     def compute_window_attention(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,

@@ -15,10 +15,10 @@ from kvpress_phase.presses.scorers import SnapKVScorer
 PRESSES = {
     "chunked_select": lambda r: ChunkedStridePress(r, mode="select"),
     "chunked_pool": lambda r: ChunkedStridePress(r, mode="pool"),
-    "phase_aware_select": lambda r: PhaseAwarePress(r, mode="select"),
-    "phase_aware_pool": lambda r: PhaseAwarePress(r, mode="pool"),
-    "phase_aware_row": lambda r: PhaseAwarePress(r, budget="row", scorer=SnapKVScorer(window_size=16),
-                                                 share_heads=True),
+    "phase_aware_select": lambda r: PhaseAwarePress(r, mode="select", budget="window", scorer=KnormPress()),
+    "phase_aware_window": lambda r: PhaseAwarePress(r, budget="window", scorer=KnormPress()),
+    "phase_aware": lambda r: PhaseAwarePress(r),  # budget="row" with SnapKVScorer
+    "phase_aware_row_short_window": lambda r: PhaseAwarePress(r, scorer=SnapKVScorer(window_size=16)),
 }
 CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))
 
@@ -103,12 +103,21 @@ class _NoRopeAttention(torch.nn.Module):
     head_dim = 8
 
 
+def _fake_layer_kwargs(cls, mode="pool"):
+    """The fake layer has no projections for SnapKV: PhaseAwarePress scores it by key norm here."""
+    if cls is not PhaseAwarePress:
+        return {}
+    return {"scorer": KnormPress(), **({"budget": "window"} if mode == "select" else {})}
+
+
 @pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
 def test_rope_modes_need_a_rotary_embedding(cls):
     keys = torch.randn(1, 2, 80, 8)
+    extra = _fake_layer_kwargs(cls)
     with pytest.raises(ValueError, match="_NoRopeAttention"):
-        cls(0.5, mode="pool", rope="centroid").compress(_NoRopeAttention(), None, keys, keys, None, {})
-    out, _ = cls(0.5, mode="pool", rope="none", weighting="mean").compress(_NoRopeAttention(), None, keys, keys, None, {})
+        cls(0.5, mode="pool", rope="centroid", **extra).compress(_NoRopeAttention(), None, keys, keys, None, {})
+    out, _ = cls(0.5, mode="pool", rope="none", weighting="mean", **extra).compress(
+        _NoRopeAttention(), None, keys, keys, None, {})
     assert out.shape[2] < 80
 
 
@@ -123,7 +132,7 @@ def test_model_without_rotary_embedding_is_refused_at_setup():
 @pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
 @pytest.mark.parametrize("mode", ["select", "pool"])
 def test_short_sequences_pass_through(cls, mode):
-    press = cls(0.5, mode=mode, rope="none")
+    press = cls(0.5, mode=mode, rope="none", **_fake_layer_kwargs(cls, mode))
     keys = torch.randn(2, 2, 4 + 16 + 8, 8)
     out_k, out_v = press.compress(_NoRopeAttention(), None, keys, keys.clone(), None, {})
     assert out_k is keys
@@ -137,7 +146,8 @@ def test_float16_large_magnitudes_stay_finite(mode, rope):
     attn.rotary_emb = model.model.rotary_emb
     keys = (torch.randn(1, 2, 200, 16) * 6e4).clamp(-65000, 65000).half()
     values = (torch.randn(1, 2, 200, 16) * 6e4).clamp(-65000, 65000).half()
-    for press in (ChunkedStridePress(0.5, mode=mode, rope=rope), PhaseAwarePress(0.75, mode=mode, rope=rope,
-                                                                                weighting="score")):
+    for press in (ChunkedStridePress(0.5, mode=mode, rope=rope),
+                  PhaseAwarePress(0.75, mode=mode, rope=rope, weighting="score", budget="window", scorer=KnormPress()),
+                  PhaseAwarePress(0.75, rope=rope, weighting="score", scorer=KnormPress())):
         k, v = press.compress(attn, None, keys, values, None, {})
         assert torch.isfinite(k).all() and torch.isfinite(v).all()

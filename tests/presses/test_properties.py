@@ -47,8 +47,10 @@ layouts = st.fixed_dictionaries(
 
 def _press(cls, p, mode, **kw):
     window = p["stride"] + p["extra_window"] if mode == "pool" else p["stride"]
-    if cls is PhaseAwarePress:
+    if cls is PhaseAwarePress:  # the window budgets (their grids are what these properties are about)
         kw.setdefault("overlap", window > p["stride"])
+        kw.setdefault("budget", "window")
+        kw.setdefault("scorer", KnormPress())
     return cls(
         p["compression_ratio"], window=window, stride=p["stride"], offset=p["offset"], n_sink=p["n_sink"],
         n_local=p["n_local"], mode=mode, **kw,
@@ -159,7 +161,8 @@ def test_phase_of_every_kept_entry(p, stagger):
 
 @given(stride=st.integers(2, 16), heads=st.integers(2, 16), offset=st.integers(0, 30), token=st.integers(0, 500))
 def test_staggered_offsets_give_each_head_a_different_phase(stride, heads, offset, token):
-    press = PhaseAwarePress(0.5, stride=stride, offset=offset, stagger="head", spread="stride", align=False)
+    press = PhaseAwarePress(0.5, stride=stride, offset=offset, stagger="head", spread="stride", align=False,
+                            budget="window")
     offsets = press.grid_offsets(FakeAttention(), None, 1, heads, 1000)[0]
     phases = phase_of(torch.tensor(token), stride, offsets)
     assert len(set(phases.tolist())) == min(heads, stride)
@@ -169,7 +172,7 @@ def test_staggered_offsets_give_each_head_a_different_phase(stride, heads, offse
        token=st.integers(0, 500))
 def test_period_spread_gives_each_head_a_different_phase_within_the_merge_period(stride, ratio, heads, token):
     """Offsets one merge period apart merge the same phases, so the spread covers one period, evenly."""
-    press = PhaseAwarePress(ratio, stride=stride, stagger="head", align=False)
+    press = PhaseAwarePress(ratio, stride=stride, stagger="head", align=False, budget="window")
     period = merge_period(stride, kept_per_window(stride, ratio))
     offsets = press.grid_offsets(FakeAttention(), None, 1, heads, 1000)[0]
     phases = phase_of(torch.tensor(token), stride, offsets) % period
@@ -187,7 +190,7 @@ def test_merge_period_is_the_smallest_shift_that_preserves_the_groups(stride, da
 
 
 def test_layer_stagger_differs_across_layers():
-    press = PhaseAwarePress(0.125, stride=8, stagger="layer", align=False)  # k = 7: the merge pattern's period is the stride
+    press = PhaseAwarePress(0.125, stride=8, stagger="layer", align=False, budget="window")  # k = 7: the merge pattern's period is the stride
     press.n_layers = 8
     first = {int(press.grid_offsets(FakeAttention(layer), None, 1, 2, 100)[0, 0]) for layer in range(8)}
     assert first == set(range(8))
@@ -195,7 +198,8 @@ def test_layer_stagger_differs_across_layers():
 
 def test_alignment_avoids_cutting_a_high_scoring_span():
     """A boundary-aware grid does not split the one important span of the sequence."""
-    press = PhaseAwarePress(0.5, stride=8, stagger="none", align=True, n_sink=0, n_local=0)
+    press = PhaseAwarePress(0.5, stride=8, stagger="none", align=True, n_sink=0, n_local=0, budget="window",
+                            scorer=KnormPress())
     scores = torch.zeros(1, 2, 64)
     scores[..., 21:27] = 1.0  # important span: positions 21..26
     offset = int(press.aligned_offsets(scores)[0])
@@ -221,6 +225,7 @@ row_layouts = st.fixed_dictionaries(
 
 def _row_press(p, **kw):
     kw.setdefault("pool_window", p["stride"] * p["pool_windows"])
+    kw.setdefault("scorer", KnormPress())  # the fake layer has no projections for SnapKV
     return PhaseAwarePress(p["compression_ratio"], stride=p["stride"], offset=p["offset"], n_sink=p["n_sink"],
                            n_local=p["n_local"], budget="row", **kw)
 
@@ -290,7 +295,8 @@ def test_row_budget_follows_the_scores_not_the_grid():
 def test_window_topk_keeps_as_many_raw_tokens_in_every_window():
     seq, stride, ratio = 120, 8, 0.5
     keys = torch.randn(1, 1, seq, HEAD_DIM, generator=torch.Generator().manual_seed(2))
-    press = PhaseAwarePress(ratio, stride=stride, budget="window_topk", align=False, stagger="none", rope="none")
+    press = PhaseAwarePress(ratio, stride=stride, budget="window_topk", align=False, stagger="none", rope="none",
+                            scorer=KnormPress())
     press.compress(FakeAttention(), None, keys, keys.clone(), None, {})
     stats = press.stats[0]
     layout = stats.layout

@@ -42,3 +42,16 @@ def test_partial_rotary_models_are_scored():
     scores = _scores(model, SnapKVScorer(window_size=16))
     assert all(torch.isfinite(s).all() and s.shape == (2, model.config.num_key_value_heads, 90)
                for s in scores.values())
+
+
+def test_contexts_shorter_than_the_window_are_scored_and_compressed():
+    """kvpress's SnapKV refuses a context of at most window_size tokens; the default press still compresses it."""
+    model = tiny_model("llama")
+    scores = _scores(model, SnapKVScorer(), n=50)  # window_size 64 > 50 tokens
+    assert all(s.shape == (2, 2, 50) and torch.isfinite(s).all() for s in scores.values())
+    press = PhaseAwarePress(0.5)
+    ids = torch.randint(4, 60, (1, 50), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model.model(input_ids=ids, past_key_values=cache)
+    assert cache.layers[0].keys.shape[2] == press.stats[0].compressed_length < 50

@@ -34,7 +34,7 @@ def test_select_mode_cannot_overlap():
     with pytest.raises(ValueError, match="window"):
         ChunkedStridePress(0.5, window=16, stride=8, mode="select")
     with pytest.raises(ValueError, match="overlap"):
-        PhaseAwarePress(0.5, mode="select", overlap=True)
+        PhaseAwarePress(0.5, mode="select", overlap=True, budget="window")
 
 
 @pytest.mark.parametrize("name,value", [("stagger", "row"), ("spread", "window"), ("overlap", "yes"), ("align", 1),
@@ -47,19 +47,20 @@ def test_phase_aware_switches(name, value):
 
 def test_phase_aware_window_conflicts():
     with pytest.raises(ValueError, match="window"):
-        PhaseAwarePress(0.5, window=8, stride=8, overlap=True)
+        PhaseAwarePress(0.5, window=8, stride=8, overlap=True, budget="window")
     with pytest.raises(ValueError, match="window"):
         PhaseAwarePress(0.5, window=16, stride=8, overlap=False)
     assert PhaseAwarePress(0.5, stride=8).effective_window == 8
-    assert PhaseAwarePress(0.5, stride=8, overlap=True).effective_window == 16
-    assert PhaseAwarePress(0.5, stride=8, overlap=None).effective_window == 16
-    assert PhaseAwarePress(0.5, stride=8, mode="select").effective_window == 8
+    assert PhaseAwarePress(0.5, stride=8, overlap=True, budget="window").effective_window == 16
+    assert PhaseAwarePress(0.5, stride=8, overlap=None, budget="window").effective_window == 16
+    assert PhaseAwarePress(0.5, stride=8, mode="select", budget="window").effective_window == 8
 
 
 def test_valid_presses_construct():
     ChunkedStridePress(0.0)
     ChunkedStridePress(0.9, window=12, stride=8, offset=3, n_sink=0, n_local=0, scorer=KnormPress())
-    PhaseAwarePress(0.5, stagger="head_layer", align=True, overlap=False)
+    PhaseAwarePress(0.5, stagger="head_layer", align=True, overlap=False, budget="window")
+    PhaseAwarePress(0.5)
 
 
 def test_content_budgets_need_pool_mode_without_overlap():
