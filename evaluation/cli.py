@@ -5,7 +5,8 @@
     kvpress-phase list            # task, press and built-in model names the flags accept
     kvpress-phase train --recipe chunked --output-dir kvpress_phase/builtin_model_chunked   # press in the loop
 
-Bad input exits with code 2 and a one-line message.
+Bad input exits with code 2 and a one-line message; `train --max-minutes` exits with code 3 when it pauses
+(rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -127,9 +128,12 @@ def _cmd_train(args, argv) -> int:
 
     command = "kvpress-phase " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
-        run_from_args(args, command=command)
+        log = run_from_args(args, command=command)
     except ValueError as exc:
         raise UsageError(str(exc).strip().splitlines()[0]) from None
+    if log["steps_done"] < log["config"]["steps"]:
+        print(f"paused at step {log['steps_done']} of {log['config']['steps']}; rerun the same command to resume")
+        return 3
     print(f"model: {args.output_dir}")
     return 0
 

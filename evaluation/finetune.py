@@ -480,12 +480,14 @@ def forward_group(model, examples: list[dict], press, pad_id: int, autocast):
 # ------------------------------------------------------------------------------------------------ the run
 def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[str] = None, *,
              checkpoint_every: int = 100, progress: bool = True, device: str = "auto", threads: Optional[int] = None,
-             model=None, tokenizer=None, command: Optional[str] = None) -> dict:
+             model=None, tokenizer=None, command: Optional[str] = None, max_minutes: Optional[float] = None) -> dict:
     """Fine-tune (or resume) ``config`` and export the model to ``output_dir``; return the training log.
 
     ``model``/``tokenizer`` train those objects instead of loading ``config.model`` (which then only labels the
     run). ``checkpoint_dir`` defaults to ``checkpoints/<name of output_dir>``; rerunning with the same
-    configuration and checkpoint directory resumes. ``command`` (the command line) is kept in the log.
+    configuration and checkpoint directory resumes. ``command`` (the command line) is kept in the log. With
+    ``max_minutes`` the call checkpoints and returns once it has trained that long; the log then has
+    ``steps_done < config.steps``, nothing is exported, and calling again resumes.
     """
     import contextlib
 
@@ -496,6 +498,8 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
     config.validate()
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+    if max_minutes is not None and not max_minutes > 0:
+        raise ValueError(f"max_minutes must be > 0, got {max_minutes}")
     device = resolve_device(device)
     dtype = resolve_dtype(config.dtype, device)
     if threads:
@@ -554,12 +558,14 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
     state = run_training(model, optimizer, steps=config.steps, step_fn=step_fn,
                          lr_fn=lambda s: cosine_lr(s, config.steps, config.warmup, config.lr, config.min_lr),
                          config=record, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                         state=state, postfix=postfix, clip=config.clip, progress=progress, desc="train")
+                         state=state, postfix=postfix, clip=config.clip, progress=progress, desc="train",
+                         stop_after_s=None if max_minutes is None else 60 * max_minutes)
     log = {"config": record, "trainer": "kvpress_phase.evaluation.finetune", "command": command,
            "device": device, "dtype": dtype, "n_parameters": sum(p.numel() for p in base_model(model).parameters()),
            "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "steps_done": state["step"], "history": state["history"]}
-    export_finetuned(model, tokenizer, output_dir, log, builtin)
+    if state["step"] == config.steps:
+        export_finetuned(model, tokenizer, output_dir, log, builtin)
     return log
 
 
@@ -674,6 +680,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", default=None,
                         help="resumable checkpoints (default: checkpoints/<name of --output-dir>)")
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default: 100)")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="checkpoint and stop after training that long in this call (exit code 3); rerun the "
+                             "same command to resume")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -696,7 +705,8 @@ def run_from_args(args: argparse.Namespace, command: Optional[str] = None) -> di
     except OSError as exc:
         raise ValueError(f"--output-dir {output_dir!r} cannot be created: {exc.strerror}") from None
     return finetune(config, output_dir, args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                    progress=not args.no_progress, device=args.device, threads=args.threads, command=command)
+                    progress=not args.no_progress, device=args.device, threads=args.threads, command=command,
+                    max_minutes=args.max_minutes)
 
 
 __all__ = ["FinetuneConfig", "RECIPES", "DEFAULT_TASKS", "finetune", "forward_group", "add_arguments",

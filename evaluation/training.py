@@ -148,11 +148,15 @@ def run_training(
     clip: float = 1.0,
     progress: bool = True,
     desc: str = "train",
+    stop_after_s: Optional[float] = None,
 ) -> dict:
     """Train until ``state["step"] == steps``; return the loop state.
 
     ``state`` is the state restored from a checkpoint (see :func:`load_checkpoint`), or None for a fresh run.
-    ``config`` (a JSON-able dict) is stored with every checkpoint and must match on resume.
+    ``config`` (a JSON-able dict) is stored with every checkpoint and must match on resume. With
+    ``stop_after_s`` the loop checkpoints and returns early once this call has run that many seconds (the
+    returned ``state["step"]`` is then below ``steps``; calling again resumes), so a long run can be cut into
+    slices of bounded length.
     """
     from tqdm.auto import tqdm
 
@@ -164,6 +168,7 @@ def run_training(
     model.train()
     bar = tqdm(total=steps, initial=state["step"], disable=not progress, desc=desc, unit="step")
     start = time.time() - state["elapsed"]
+    call_start = time.time()
     try:
         while state["step"] < steps:
             step = state["step"]
@@ -185,6 +190,9 @@ def run_training(
             bar.update(1)
             if state["step"] % checkpoint_every == 0 or state["step"] == steps:
                 save_checkpoint(checkpoint_dir, config, model, optimizer, state)
+            elif stop_after_s is not None and time.time() - call_start >= stop_after_s:
+                save_checkpoint(checkpoint_dir, config, model, optimizer, state)
+                break
     finally:
         bar.close()
     return state

@@ -154,6 +154,20 @@ def test_resume_gives_the_uninterrupted_run(tok, tmp_path, monkeypatch):
         assert torch.allclose(a, b, atol=1e-6), name
 
 
+def test_a_time_limited_call_pauses_and_the_next_one_finishes_the_same_run(model_dir, tmp_path, capsys):
+    common = ["train", "--model", model_dir, "--tasks", "niah_single", "--context-lengths", "128", "--strides", "4",
+              "--steps", "3", "--batch-size", "2", "--no-progress", "--checkpoint-every", "100"]
+    args = common + ["--output-dir", str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    assert cli.main(args + ["--max-minutes", "1e-6"]) == 3  # one step, a checkpoint, then a pause
+    assert "paused at step 1 of 3" in capsys.readouterr().out
+    assert not (tmp_path / "out" / "training_log.json").exists()
+    assert cli.main(args) == 0
+    paused = json.loads((tmp_path / "out" / "training_log.json").read_text())["history"]
+    assert cli.main(common + ["--output-dir", str(tmp_path / "ref"), "--checkpoint-dir", str(tmp_path / "ref_ckpt")]) == 0
+    reference = json.loads((tmp_path / "ref" / "training_log.json").read_text())["history"]
+    assert [h["loss"] for h in paused] == pytest.approx([h["loss"] for h in reference], rel=1e-5)
+
+
 def test_a_checkpoint_of_another_configuration_is_refused(tok, tmp_path):
     finetune(tiny_config(steps=1), str(tmp_path / "a"), str(tmp_path / "ckpt"), model=tiny_lm(tok), tokenizer=tok,
              progress=False)
