@@ -244,7 +244,10 @@ class FinetuneConfig:
         """``{"ratio", "stride", "offset"}`` of a micro-batch (ratio 0.0 when it trains uncompressed)."""
         rng = random.Random(f"{self.seed}/press/{step}/{micro}")
         stride = rng.choice(self.strides)
-        offset = rng.randrange(stride) if self.offset_mode == "random" else self.offset
+        # drawn in both modes, so that a fixed-grid run and a random-offset run with the same seed see the same
+        # data, ratios, strides and uncompressed batches and differ in the offset alone
+        random_offset = rng.randrange(stride)
+        offset = random_offset if self.offset_mode == "random" else self.offset
         cap = self.ratio_cap(step)
         if self.ratio_range is not None:
             ratio = rng.uniform(self.ratio_range[0], cap)

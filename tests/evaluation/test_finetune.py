@@ -228,6 +228,13 @@ def test_press_draws_follow_the_configuration():
     random_ = tiny_config(strides=[8], offset_mode="random", steps=200)
     assert {random_.draw_press(s, 0)["offset"] for s in range(200)} == set(range(8))
     assert random_.draw_press(7, 1) == random_.draw_press(7, 1)  # a pure function of (seed, step, micro-batch)
+    # a fixed-grid control differs from the random-offset run in the offset alone
+    control = tiny_config(strides=[4, 8, 16], ratios=[0.25, 0.5, 0.75], uncompressed_fraction=0.2, steps=100,
+                          offset_mode="fixed")
+    treated = tiny_config(strides=[4, 8, 16], ratios=[0.25, 0.5, 0.75], uncompressed_fraction=0.2, steps=100)
+    for s in range(100):
+        a, b = control.draw_press(s, 0), treated.draw_press(s, 0)
+        assert (a["ratio"], a["stride"], a["offset"]) == (b["ratio"], b["stride"], 0)
     curriculum = tiny_config(ratios=[0.25, 0.5, 0.75], curriculum_steps=100, steps=200)
     early = {curriculum.draw_press(s, 0)["ratio"] for s in range(10)}
     late = {curriculum.draw_press(s, 0)["ratio"] for s in range(100, 200)}
