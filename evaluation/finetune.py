@@ -514,6 +514,9 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
         tokenizer = load_tokenizer(config, path)
     elif tokenizer is None:
         raise ValueError("a model object needs its tokenizer")
+    from .prompting import check_tokenizer
+
+    check_tokenizer(tokenizer)  # the pipeline layout the examples follow needs a fast tokenizer with BOS or template
     source = ExampleSource(config, tokenizer)
     source.check()  # bad data settings fail before the model is loaded
     if model is None:

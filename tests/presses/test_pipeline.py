@@ -16,6 +16,8 @@ PRESSES = {
     "chunked_pool": lambda r: ChunkedStridePress(r, mode="pool"),
     "phase_aware_select": lambda r: PhaseAwarePress(r, mode="select"),
     "phase_aware_pool": lambda r: PhaseAwarePress(r, mode="pool"),
+    "phase_aware_row": lambda r: PhaseAwarePress(r, budget="row", scorer=SnapKVPress(window_size=16),
+                                                 share_heads=True),
 }
 CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))
 
@@ -28,6 +30,8 @@ def family_model(request):
 @pytest.mark.parametrize("press_name", sorted(PRESSES))
 def test_pipeline_answers_and_cache_length(family_model, tokenizer, press_name):
     family, model = family_model
+    if family == "phi3" and press_name == "phase_aware_row":
+        pytest.skip("kvpress's SnapKVPress rotates its queries with the full head_dim: partial rotary is unsupported")
     press = PRESSES[press_name](0.5)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     cache = DynamicCache()
