@@ -204,6 +204,20 @@ def test_lora_trains_only_the_adapters_and_exports_a_merged_model(model_dir, tmp
     assert ckpt["model"] and all("lora_" in k for k in ckpt["model"])
 
 
+def test_bfloat16_autocast_path_runs_on_the_cpu(model_dir, tmp_path):
+    """The CUDA recipe (bfloat16 autocast; a LoRA run's frozen base in bfloat16) exercised on the CPU."""
+    pytest.importorskip("peft")
+    full = finetune(tiny_config(steps=2, model=model_dir, dtype="bfloat16"), str(tmp_path / "full"),
+                    str(tmp_path / "c1"), progress=False, device="cpu")
+    lora = finetune(tiny_config(steps=2, model=model_dir, dtype="bfloat16", lora=True, lora_r=2),
+                    str(tmp_path / "lora"), str(tmp_path / "c2"), progress=False, device="cpu")
+    assert full["dtype"] == lora["dtype"] == "bfloat16"
+    for log in (full, lora):
+        assert all(0 < h["loss"] < 100 for h in log["history"])
+    weights = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full")).model.layers[0].self_attn.k_proj.weight
+    assert weights.dtype == torch.float32  # float32 master weights under autocast
+
+
 def test_a_user_dataset_in_kvpress_schema_trains_with_mixed_context_lengths(tok, tmp_path):
     rows = []
     for length in (128, 144):
