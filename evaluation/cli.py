@@ -2,9 +2,11 @@
 
     kvpress-phase eval            # quick phase sweep on the built-in model, both presses and the baselines
     kvpress-phase eval --tasks niah_single,qa_single_doc --strides 4,8,16 --compression-ratios 0.5,0.75
-    kvpress-phase list            # task and press names the flags accept
+    kvpress-phase list            # task, press and built-in model names the flags accept
+    kvpress-phase train --recipe chunked --output-dir kvpress_phase/builtin_model_chunked   # press in the loop
 
-Bad input exits with code 2 and a one-line message.
+Bad input exits with code 2 and a one-line message; `train --max-minutes` exits with code 3 when it pauses
+(rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -54,13 +56,15 @@ def _csv(cast, name):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvpress-phase", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{eval,list}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{eval,list,train}", parser_class=_Parser)
     sub.required = True
 
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
         "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
         "With no arguments: a quick sweep on the built-in model (about 2 minutes on 2 CPU cores)."))
-    ev.add_argument("--model", help="local model directory or hub id (default: the built-in model)")
+    ev.add_argument("--model", help="built-in model name (builtin, chunked; see `kvpress-phase list`), local model "
+                                    "directory or hub id (default: builtin); a built-in name wins over a folder of "
+                                    "that name, write ./NAME for the folder")
     ev.add_argument("--tasks", type=_csv(str, "--tasks"), default=QUICK.tasks,
                     help=f"comma-separated task names (default: {','.join(QUICK.tasks)}; see `kvpress-phase list`)")
     ev.add_argument("--presses", type=_csv(str, "--presses"), default=QUICK.presses,
@@ -96,11 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs (default: 2000)")
     ev.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
-    sub.add_parser("list", help="list task and press names", description="List the task and press names.")
+    sub.add_parser("list", help="list task, press and built-in model names",
+                   description="List the task, press and built-in model names.")
+
+    from .finetune import __doc__ as train_doc, add_arguments as add_train_arguments
+
+    tr = sub.add_parser("train", help="fine-tune a model with a press in the loop", description=train_doc,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(tr)
     return parser
 
 
 def _cmd_list() -> int:
+    from kvpress_phase.builtin import BUILTIN_MODELS, DEFAULT_MODEL
+
     from .tasks import TASKS
 
     print("tasks:")
@@ -109,6 +122,25 @@ def _cmd_list() -> int:
     print("presses:")
     for name, text in PRESS_DESCRIPTIONS.items():
         print(f"  {name:<20} {text}")
+    print("models (--model):")
+    for name, entry in BUILTIN_MODELS.items():
+        status = "" if entry.available else f" [not built: {entry.build_command}]"
+        print(f"  {name:<20} {entry.description}{' (default)' if name == DEFAULT_MODEL else ''}{status}")
+    return 0
+
+
+def _cmd_train(args, argv) -> int:
+    from .finetune import run_from_args
+
+    command = "kvpress-phase " + " ".join(argv if argv is not None else sys.argv[1:])
+    try:
+        log = run_from_args(args, command=command)
+    except ValueError as exc:
+        raise UsageError(str(exc).strip().splitlines()[0]) from None
+    if log["steps_done"] < log["config"]["steps"]:
+        print(f"paused at step {log['steps_done']} of {log['config']['steps']}; rerun the same command to resume")
+        return 3
+    print(f"model: {args.output_dir}")
     return 0
 
 
@@ -134,7 +166,7 @@ def _check_output_dir(path: str) -> None:
 
 
 def load_model(model: Optional[str], device: str, dtype: str):
-    """Model and tokenizer from a path or hub id, or the built-in model.
+    """Model and tokenizer from a built-in model name (None: the default one), a path or a hub id.
 
     The tokenizer is loaded and checked first (:func:`~.prompting.check_tokenizer`), so an unusable one is
     reported before the model's weights are read.
@@ -142,12 +174,15 @@ def load_model(model: Optional[str], device: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kvpress_phase.builtin import BUILTIN_MODELS, builtin_model_path
+
     from .prompting import check_tokenizer
 
-    if model is None:
-        from kvpress_phase.builtin import builtin_model_path
-
-        model = builtin_model_path()
+    if model is None or model in BUILTIN_MODELS:
+        try:
+            model = builtin_model_path(*([model] if model else []))
+        except FileNotFoundError as exc:
+            raise UsageError(str(exc)) from None
 
     def fail(exc: Exception, what: str) -> UsageError:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -211,6 +246,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         if args.command == "list":
             return _cmd_list()
+        if args.command == "train":
+            return _cmd_train(args, argv)
         return _cmd_eval(args)
     except UsageError as exc:
         print(f"kvpress-phase: error: {exc}", file=sys.stderr)

@@ -15,8 +15,9 @@ last ``--window`` batches passes ``--advance-at`` (copy token accuracy in a copy
 match otherwise) or after its maximum number of steps; the last stage cycles through the three longest lengths.
 From step ``--extend-from`` on, an extension phase trains on ``--extend-lengths`` in turn with its own task mix
 (more weight on what the curriculum leaves weakest) and a warm-restarted cosine schedule; the curriculum's own
-cosine runs over ``--base-steps``. Checkpoints (model, optimizer, schedule, curriculum,
-log) are written every ``--checkpoint-every`` steps to ``--checkpoint-dir``; rerunning the same command resumes.
+cosine runs over ``--base-steps``. The loop, checkpoints and export are those of :mod:`.training`, which
+``kvpress-phase train`` (:mod:`.finetune`) shares: checkpoints (model, optimizer, schedule, curriculum, log) are
+written every ``--checkpoint-every`` steps to ``--checkpoint-dir``; rerunning the same command resumes.
 Batches are a pure function of (seed, step), so a resumed run sees the data an uninterrupted run would.
 At the end the model is saved in the Hugging Face format with its tokenizer, and the loss curve as a PNG.
 """
@@ -24,15 +25,24 @@ At the end the model is saved in the Hugging Face format with its tokenizer, and
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import random
-import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from .training import (
+    answer_exact_match,
+    cosine_lr,
+    export_model,
+    load_checkpoint,
+    new_state,
+    parameter_groups,
+    plot_loss,  # noqa: F401  (re-exported)
+    run_training,
+    token_accuracy,
+)
 
 TASK_WEIGHTS = {
     "niah_single": 2.0,
@@ -190,13 +200,6 @@ def build_model(config: TrainConfig, tokenizer):
     return LlamaForCausalLM(model_config)
 
 
-def parameter_groups(model, weight_decay: float) -> list[dict]:
-    """Weight decay on the matrices only: decaying norm gains would cap how sharp attention can get."""
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
 def stage_length(config: TrainConfig, stage: int, step: int) -> int:
     """Context length of a step: the stage's length, except in the last stage, which cycles through the lengths
     from the third-longest up, so shorter contexts keep being trained while the longest is learned."""
@@ -206,18 +209,11 @@ def stage_length(config: TrainConfig, stage: int, step: int) -> int:
     return tail[step % len(tail)]
 
 
-def _cosine(step: int, total: int, warmup: int, peak: float, floor: float) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def lr_at(step: int, config: TrainConfig) -> float:
     """Two cosine cycles: the curriculum's (horizon ``base_steps``), then a warm restart for the extension."""
     if step < config.extend_from:
-        return _cosine(step, config.base_steps, config.warmup, config.lr, config.min_lr)
-    return _cosine(step - config.extend_from, config.steps - config.extend_from, config.extend_warmup,
+        return cosine_lr(step, config.base_steps, config.warmup, config.lr, config.min_lr)
+    return cosine_lr(step - config.extend_from, config.steps - config.extend_from, config.extend_warmup,
                    config.extend_lr, config.extend_min_lr)
 
 
@@ -230,28 +226,10 @@ def step_plan(config: TrainConfig, stage: int, step: int) -> tuple[int, float, d
     return stage_length(config, stage, step), config.copy_fraction[stage], config.task_weights
 
 
-def token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per row: share of supervised tokens that are the argmax prediction (teacher forcing)."""
-    pred = logits[:, :-1].argmax(-1)
-    target = labels[:, 1:]
-    mask = target != -100
-    return ((pred == target) & mask).sum(1) / mask.sum(1).clamp(min=1)
-
-
-def answer_exact_match(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per row: 1.0 when every supervised token is the argmax prediction (teacher forcing)."""
-    pred = logits[:, :-1].argmax(-1)
-    target = labels[:, 1:]
-    mask = target != -100
-    ok = (pred == target) | ~mask
-    return ok.all(dim=1).float()
-
-
 # ---------------------------------------------------------------------------------------------- loop
 def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_every: int = 200,
           progress: bool = True, threads: int | None = None, export_only: bool = False) -> None:
-    from tqdm.auto import tqdm
-
+    """Train (or resume) the built-in model with the shared loop of :mod:`.training`, then export it."""
     from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
     if threads:
@@ -259,62 +237,41 @@ def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_
     tokenizer = build_tokenizer()
     model = build_model(config, tokenizer)
     optimizer = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98))
-    state = {"step": 0, "stage": 0, "history": [], "elapsed": 0.0}
-    os.makedirs(checkpoint_dir, exist_ok=True)
-    ckpt_path = os.path.join(checkpoint_dir, "checkpoint.pt")
-    if os.path.exists(ckpt_path):
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        if ckpt["config"] != asdict(config):
-            raise ValueError(f"{ckpt_path} was written with another training configuration; "
-                             "use another --checkpoint-dir or the same arguments")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        state = ckpt["state"]
-        torch.set_rng_state(ckpt["torch_rng"])
+    record = asdict(config)
+    state = load_checkpoint(checkpoint_dir, record, model, optimizer)
     if export_only:
-        if not os.path.exists(ckpt_path):
+        if state is None:
             raise FileNotFoundError(f"no checkpoint to export in {checkpoint_dir}")
         export(model, tokenizer, state, config, output_dir)
         return
-    recent = deque(state.get("recent", []), maxlen=config.window)
+    if state is None:
+        state = {**new_state(), "stage": 0}
 
-    def save():
-        tmp = ckpt_path + ".tmp"
-        torch.save({"config": asdict(config), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "state": state, "torch_rng": torch.get_rng_state()}, tmp)
-        os.replace(tmp, ckpt_path)
-
-    model.train()
-    bar = tqdm(total=config.steps, initial=state["step"], disable=not progress, desc="train", unit="step")
-    start = time.time() - state["elapsed"]
-    while state["step"] < config.steps:
-        step = state["step"]
+    def step_fn(step: int, state: dict) -> dict:
         extending = step >= config.extend_from
         length, copy_fraction, task_weights = step_plan(config, state["stage"], step)
         input_ids, attention, labels, kinds = make_batch(tokenizer, config, step, length, copy_fraction,
                                                          task_weights)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, config)
         out = model(input_ids=input_ids, attention_mask=attention, labels=labels)
-        optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        em_rows = answer_exact_match(out.logits.detach(), labels)
+        logits = out.logits.detach()
+        em_rows = answer_exact_match(logits, labels)
         task_rows = [i for i, k in enumerate(kinds) if k != "copy"]
-        em = float(em_rows[task_rows].mean()) if task_rows else float("nan")
         copy_rows = [i for i, k in enumerate(kinds) if k == "copy"]
-        copy_acc = float(token_accuracy(out.logits.detach(), labels)[copy_rows].mean()) if copy_rows else float("nan")
+        return {"loss": float(out.loss.detach()),
+                "em": float(em_rows[task_rows].mean()) if task_rows else float("nan"),
+                "copy_acc": float(token_accuracy(logits, labels)[copy_rows].mean()) if copy_rows else float("nan"),
+                "length": length, "stage": len(config.lengths) if extending else state["stage"]}
+
+    def after_step(state: dict, record: dict) -> None:
         # a copy-only stage advances on the copy token accuracy (the first repeated token is unpredictable, so
         # exact match cannot measure it); the others on the answers' exact match
-        progress_metric = copy_acc if copy_fraction >= 1.0 else em
-        state["step"] += 1
-        state["elapsed"] = time.time() - start
-        state["history"].append({"step": step, "loss": float(out.loss.detach()), "em": em, "copy_acc": copy_acc,
-                                 "length": length, "stage": len(config.lengths) if extending else state["stage"],
-                                 "lr": lr_at(step, config), "time": state["elapsed"]})
-        if not math.isnan(progress_metric):
-            recent.append(progress_metric)
+        _, copy_fraction, _ = step_plan(config, state["stage"], record["step"])
+        recent = deque(state.get("recent", []), maxlen=config.window)
+        metric = record["copy_acc"] if copy_fraction >= 1.0 else record["em"]
+        if not math.isnan(metric):
+            recent.append(metric)
+        extending = record["step"] >= config.extend_from
         stage_steps = sum(1 for h in state["history"] if h["stage"] == state["stage"])
         passed = len(recent) == config.window and sum(recent) / len(recent) >= config.advance_at
         last = state["stage"] + 1 >= len(config.lengths)
@@ -322,12 +279,15 @@ def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_
             state["stage"] += 1
             recent.clear()
         state["recent"] = list(recent)
-        bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", em=f"{(sum(recent) / max(1, len(recent))):.2f}",
-                        length=length)
-        bar.update(1)
-        if state["step"] % checkpoint_every == 0 or state["step"] == config.steps:
-            save()
-    bar.close()
+
+    def postfix(state: dict, record: dict) -> dict:
+        recent = state["recent"]
+        return {"loss": f"{record['loss']:.3f}", "em": f"{sum(recent) / max(1, len(recent)):.2f}",
+                "length": record["length"]}
+
+    state = run_training(model, optimizer, steps=config.steps, step_fn=step_fn, lr_fn=lambda s: lr_at(s, config),
+                         config=record, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                         state=state, after_step=after_step, postfix=postfix, progress=progress)
     export(model, tokenizer, state, config, output_dir)
 
 
@@ -337,47 +297,12 @@ def export(model, tokenizer, state: dict, config: TrainConfig, output_dir: str) 
 
     from kvpress_phase.evaluation.tokenizer import save_tokenizer
 
-    os.makedirs(output_dir, exist_ok=True)
-    model.eval()
-    model.save_pretrained(output_dir, safe_serialization=True)
-    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id, do_sample=False).save_pretrained(output_dir)
-    save_tokenizer(tokenizer, output_dir)
-    with open(os.path.join(output_dir, "training_log.json"), "w") as fh:
-        json.dump({"config": asdict(config), "n_parameters": sum(p.numel() for p in model.parameters()),
-                   "steps_done": state["step"], "history": state["history"]}, fh)
-    plot_loss(state["history"], os.path.join(output_dir, "loss_curve.png"))
-
-
-def plot_loss(history: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    df = pd.DataFrame(history)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(df["step"], df["loss"].rolling(25, min_periods=1).mean(), label="loss (25-step mean)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("answer-token loss")
-    ax.set_yscale("log")
-    ax2 = ax.twinx()
-    ax2.plot(df["step"], df["em"].rolling(25, min_periods=1).mean(), color="tab:green", alpha=0.7,
-             label="answer exact match")
-    ax2.set_ylabel("exact match (teacher forced)")
-    ax2.set_ylim(0, 1)
-    for change in df.index[df["stage"].diff().fillna(0) != 0]:
-        row = df.loc[change]
-        lengths = sorted(df.loc[df["stage"] == row["stage"], "length"].unique())
-        ax.axvline(row["step"], color="grey", linestyle=":", linewidth=0.8)
-        ax.text(row["step"], ax.get_ylim()[1], " " + "/".join(map(str, lengths)), fontsize=7, va="top",
-                rotation=90)
-    fig.legend(loc="lower left", fontsize=8, bbox_to_anchor=(0.1, 0.12))
-    ax.set_title("built-in model training (dotted: next stage, with its context lengths)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    generation = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    log = {"config": asdict(config), "n_parameters": sum(p.numel() for p in model.parameters()),
+           "steps_done": state["step"], "history": state["history"]}
+    export_model(model, tokenizer, output_dir, log, generation_config=generation, save_tokenizer=save_tokenizer,
+                 plot_title="built-in model training (dotted: next stage, with its context lengths)")
 
 
 def main(argv=None) -> int:

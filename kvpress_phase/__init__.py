@@ -27,6 +27,9 @@ _LAZY = {
     "phase_of": "kvpress_phase.phase",
     "builtin_model_path": "kvpress_phase.builtin",
     "load_builtin_model": "kvpress_phase.builtin",
+    "BUILTIN_MODELS": "kvpress_phase.builtin",
+    "FinetuneConfig": "kvpress_phase.evaluation.finetune",
+    "finetune": "kvpress_phase.evaluation.finetune",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -1,32 +1,90 @@
-"""The built-in model: a small Llama trained on this package's task generators, shipped with it.
+"""The built-in models: small Llamas trained on this package's task generators, shipped with it.
 
-It is what ``kvpress-phase eval`` uses when no ``--model`` is given. How it was trained, and what it can do, is
-in ``MODEL_CARD.md``; ``python -m kvpress_phase.evaluation.train_builtin_model`` rebuilds it.
+Two are registered (:data:`BUILTIN_MODELS`):
+
+* ``"builtin"`` (the default): trained without compression. It is what ``kvpress-phase eval`` uses when no
+  ``--model`` is given, the model of the post-hoc study (presses applied to a model that never saw a
+  compressed cache). How it was trained, and what it can do, is in ``MODEL_CARD.md``;
+  ``python -m kvpress_phase.evaluation.train_builtin_model`` rebuilds it.
+* ``"chunked"``: the same model fine-tuned with ``ChunkedStridePress`` in the loop (random ratios, strides and
+  grid offsets), the trained-in regime. ``kvpress-phase train --recipe chunked`` builds it; until then its
+  folder is absent and asking for it raises ``FileNotFoundError`` naming that command.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_model")
+_ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def builtin_model_path() -> str:
-    """Directory of the built-in model (Hugging Face format: config, safetensors weights, tokenizer)."""
-    if not os.path.isfile(os.path.join(_DIR, "config.json")):
+@dataclass(frozen=True)
+class BuiltinModel:
+    """One registered built-in model: its folder inside the package, a description and how to build it."""
+
+    name: str
+    folder: str
+    description: str
+    build_command: str
+
+    @property
+    def path(self) -> str:
+        return os.path.join(_ROOT, self.folder)
+
+    @property
+    def available(self) -> bool:
+        return os.path.isfile(os.path.join(self.path, "config.json"))
+
+
+DEFAULT_MODEL = "builtin"
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in [
+        BuiltinModel(
+            "builtin", "builtin_model",
+            "1.1M-parameter Llama trained without compression (the post-hoc study)",
+            "python -m kvpress_phase.evaluation.train_builtin_model",
+        ),
+        BuiltinModel(
+            "chunked", "builtin_model_chunked",
+            "the built-in model fine-tuned with ChunkedStridePress in the loop (ratios 0.25-0.875, strides 4-16, "
+            "random grid offsets; the trained-in study)",
+            "kvpress-phase train --recipe chunked --output-dir kvpress_phase/builtin_model_chunked",
+        ),
+    ]
+}
+"""Built-in models by name."""
+
+
+def get_builtin_model(name: str = DEFAULT_MODEL) -> BuiltinModel:
+    """The registry entry ``name``; ValueError listing the names otherwise."""
+    try:
+        return BUILTIN_MODELS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}") from None
+
+
+def builtin_model_path(name: str = DEFAULT_MODEL) -> str:
+    """Directory of the built-in model ``name`` (Hugging Face format: config, safetensors weights, tokenizer).
+
+    ``FileNotFoundError`` naming the command that builds it when its files are not there.
+    """
+    model = get_builtin_model(name)
+    if not model.available:
         raise FileNotFoundError(
-            f"the built-in model is missing from {_DIR}; rebuild it with "
-            "`python -m kvpress_phase.evaluation.train_builtin_model`"
+            f"the built-in model {model.name!r} is missing from {model.path}; build it with `{model.build_command}`"
         )
-    return _DIR
+    return model.path
 
 
-def load_builtin_model(device: str = "cpu", dtype=None):
-    """``(model, tokenizer)`` of the built-in model, loaded offline."""
+def load_builtin_model(device: str = "cpu", dtype=None, name: str = DEFAULT_MODEL):
+    """``(model, tokenizer)`` of the built-in model ``name``, loaded offline."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = builtin_model_path()
+    path = builtin_model_path(name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     return model.to(device).eval(), tokenizer

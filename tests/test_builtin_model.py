@@ -48,3 +48,49 @@ def test_pipeline_by_path():
     answer = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"],
                   max_new_tokens=row["max_new_tokens"])["answer"]
     assert isinstance(answer, str) and answer
+
+
+# ---------------------------------------------------------------------------------------------- the registry
+def _missing(monkeypatch, name="chunked"):
+    """Make the registry entry ``name`` point at a folder that does not exist (as in a clean clone)."""
+    import dataclasses
+
+    from kvpress_phase import builtin
+
+    entry = dataclasses.replace(builtin.BUILTIN_MODELS[name], folder="no_such_model_folder")
+    monkeypatch.setitem(builtin.BUILTIN_MODELS, name, entry)
+    return entry
+
+
+def test_registry_names_both_models_and_the_default_is_the_post_hoc_one():
+    from kvpress_phase.builtin import BUILTIN_MODELS, DEFAULT_MODEL
+
+    assert DEFAULT_MODEL == "builtin" and set(BUILTIN_MODELS) >= {"builtin", "chunked"}
+    assert builtin_model_path() == builtin_model_path("builtin")
+    with pytest.raises(ValueError, match="built-in models: builtin, chunked"):
+        builtin_model_path("nope")
+
+
+def test_a_model_not_built_yet_names_the_command_that_builds_it(monkeypatch, capsys):
+    from kvpress_phase.evaluation import cli
+
+    _missing(monkeypatch)
+    with pytest.raises(FileNotFoundError, match="kvpress-phase train --recipe chunked"):
+        builtin_model_path("chunked")
+    assert cli.main(["eval", "--model", "chunked", "--samples", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kvpress-phase train --recipe chunked" in err
+    assert cli.main(["list"]) == 0
+    assert "not built: kvpress-phase train --recipe chunked" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(os.path.dirname(builtin_model_path()), "builtin_model_chunked",
+                                                    "config.json")),
+                    reason="the trained-in model is not built in this checkout (kvpress-phase train --recipe chunked)")
+def test_trained_in_model_files_size_and_loading():
+    path = builtin_model_path("chunked")
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) <= 20 * 1024 * 1024
+    model, tokenizer = load_builtin_model(name="chunked")
+    reference, ref_tokenizer = load_builtin_model()
+    assert tokenizer.get_vocab() == ref_tokenizer.get_vocab()
+    assert model.config.num_hidden_layers == reference.config.num_hidden_layers

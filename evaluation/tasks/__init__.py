@@ -305,7 +305,8 @@ def training_example(
     context_length: int,
     **task_options,
 ) -> dict:
-    """One training sequence: ``input_ids`` and a ``loss_mask`` that marks the answer tokens and EOS.
+    """One training sequence: ``input_ids``, a ``loss_mask`` that marks the answer tokens and EOS, and the
+    ``context_length`` (prefill tokens) the question follows (see :func:`training_sequence`).
 
     ``input_ids`` = prefill context ids (as the pipeline builds them) + question ids (``question``, the
     pipeline's suffix, ``answer_prefix``) + answer ids + EOS. ``rng_or_seed`` is a ``random.Random`` (drawn
@@ -338,13 +339,25 @@ def training_example(
         pad_words=_pad_words(tokenizer, random.Random(derive_seed("train-pad", spec.name, sample_seed, 1)), 1),
     )
     placed = assembler.fit(0)
-    context_ids = context_token_ids(tokenizer, placed.context)
-    question_ids = question_token_ids(tokenizer, draft.question, draft.answer_prefix)
-    glue = "" if not draft.answer_prefix or draft.answer_prefix[-1].isspace() else " "
-    answer_ids = list(tokenizer.encode(glue + draft.completion, add_special_tokens=False))
+    return training_sequence(tokenizer, placed.context, draft.question, draft.answer_prefix, draft.completion)
+
+
+def training_sequence(tokenizer, context: str, question: str, answer_prefix: str, completion: str) -> dict:
+    """Token ids of one supervised example, laid out as kvpress's pipeline prefills and decodes it.
+
+    Returns ``input_ids`` = prefill context ids + question ids (``question``, the pipeline's suffix,
+    ``answer_prefix``) + ``completion`` ids + EOS, a ``loss_mask`` marking the completion and EOS, and
+    ``context_length``, the number of prefill (context) tokens, where a compressed cache would end.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token")
+    context_ids = context_token_ids(tokenizer, context)
+    question_ids = question_token_ids(tokenizer, question, answer_prefix)
+    glue = "" if not answer_prefix or answer_prefix[-1].isspace() else " "
+    answer_ids = list(tokenizer.encode(glue + completion, add_special_tokens=False))
     input_ids = context_ids + question_ids + answer_ids + [tokenizer.eos_token_id]
     loss_mask = [0] * (len(context_ids) + len(question_ids)) + [1] * (len(answer_ids) + 1)
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "context_length": len(context_ids)}
 
 
 __all__ = [
@@ -358,6 +371,7 @@ __all__ = [
     "list_tasks",
     "score",
     "training_example",
+    "training_sequence",
     "EVAL_SEED_LIMIT",
     "derive_seed",
 ]
