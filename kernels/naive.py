@@ -105,8 +105,10 @@ def _weighted_rows(mix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``(batch, heads, n, dim)`` float32: ``sum_j mix[..., i, j] * x[..., i, j, :]`` for windows ``x`` of shape
     ``(batch, heads, n, W, dim)``. One batched matrix product per (batch, head) row, so that the windows of a row,
     a view into the cache, are read in place instead of being copied to a contiguous batch first."""
-    out = torch.empty(mix.shape[:-1] + (x.shape[-1],), dtype=torch.float32, device=x.device)
     w = mix.unsqueeze(-2)
+    if torch.is_grad_enabled() and (mix.requires_grad or x.requires_grad):  # training: one differentiable product
+        return (w @ x.float())[..., 0, :]
+    out = torch.empty(mix.shape[:-1] + (x.shape[-1],), dtype=torch.float32, device=x.device)
     for b in range(x.shape[0]):
         for h in range(x.shape[1]):
             torch.matmul(w[b, h], x[b, h].float(), out=out[b, h].unsqueeze(-2))
