@@ -56,7 +56,7 @@ def _csv(cast, name):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvpress-phase", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{eval,list,train}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{eval,report,list,train}", parser_class=_Parser)
     sub.required = True
 
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip the needle-attention diagnostic (faster; accuracy is unchanged)")
     ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs (default: 2000)")
     ev.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    rp = sub.add_parser("report", help="summarise finished runs again (merged, with today's statistics)",
+                        description="Read the per-example results of one or more `kvpress-phase eval` output "
+                                    "directories, merge them, and write summary.json, the tables, the plots and "
+                                    "report.md with the current statistics.")
+    rp.add_argument("runs", nargs="+", help="output directories of `kvpress-phase eval`")
+    rp.add_argument("--output-dir", required=True, help="where the merged report goes")
+    rp.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for fractional scores")
 
     sub.add_parser("list", help="list task, press and built-in model names",
                    description="List the task, press and built-in model names.")
@@ -240,6 +248,27 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    import pandas as pd
+
+    from .report import console_table, write_reports
+    from .runner import read_results
+
+    frames = []
+    for run in args.runs:
+        if not os.path.isdir(os.path.join(run, "results")):
+            raise UsageError(f"{run!r} holds no results of `kvpress-phase eval` (no results/ folder)")
+        frames.append(read_results(run))
+    results = pd.concat(frames, ignore_index=True).drop_duplicates("key", keep="first")
+    if results.empty:
+        raise UsageError("the runs hold no results yet")
+    _check_output_dir(args.output_dir)
+    records = write_reports(results, args.output_dir, {"runs": args.runs}, n_resamples=args.bootstrap)
+    print(console_table(records))
+    print(f"\nreport: {os.path.join(args.output_dir, 'report.md')}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
@@ -248,6 +277,8 @@ def main(argv=None) -> int:
             return _cmd_list()
         if args.command == "train":
             return _cmd_train(args, argv)
+        if args.command == "report":
+            return _cmd_report(args)
         return _cmd_eval(args)
     except UsageError as exc:
         print(f"kvpress-phase: error: {exc}", file=sys.stderr)

@@ -5,7 +5,7 @@ Input is a table of per-example results (one row per example x press variant x p
 ``task``, ``press``, ``compression_ratio``, ``stride``, ``protocol``, ``phase``, ``sample_id`` and ``score``
 (1.0 correct, 0.0 wrong, fractions allowed). Every base sample is placed at every phase, so the results of one
 group form an ``(n_samples, stride)`` matrix whose rows share a prompt: the design is **paired**, and every
-statistic here uses that. One summary record comes out per task x press x compression ratio x stride x protocol:
+statistic here uses that. One summary record comes out per task x context length x press x compression ratio x stride x protocol:
 
 - ``per_phase``: mean score at every phase ``0 .. stride-1`` (``None`` where a phase was not run), and
   ``per_phase_ci``: its 95% interval (Wilson score interval for 0/1 scores, percentile bootstrap over samples
@@ -54,7 +54,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-GROUP_KEYS = ("task", "press", "compression_ratio", "stride", "protocol")
+GROUP_KEYS = ("task", "context_length", "press", "compression_ratio", "stride", "protocol")
 
 N_PERMUTATIONS = 2000
 N_SPLITS = 100
@@ -286,15 +286,19 @@ def _attention_per_phase(df: pd.DataFrame, stride: int):
 
 
 def summarize(results: pd.DataFrame, *, n_resamples: int = 2000, seed: int = 0, **kwargs) -> list[dict]:
-    """One summary record per task x press x compression ratio x stride x protocol.
+    """One summary record per task x context length x press x compression ratio x stride x protocol.
 
     Extra keyword arguments (``n_permutations``, ``n_splits``, ``confidence``) go to :func:`summarize_group`.
+    Tables without a ``context_length`` column are grouped without it.
     """
+    keys = [k for k in GROUP_KEYS if k in results]
     records = []
-    for key, group in results.groupby(list(GROUP_KEYS), sort=True, dropna=False):
-        record = dict(zip(GROUP_KEYS, key))
+    for key, group in results.groupby(keys, sort=True, dropna=False):
+        record = dict(zip(keys, key))
         record["compression_ratio"] = float(record["compression_ratio"])
         record["stride"] = int(record["stride"])
+        if "context_length" in record:
+            record["context_length"] = int(record["context_length"])
         record.update(summarize_group(group, record["stride"], n_resamples=n_resamples, seed=seed, **kwargs))
         records.append(record)
     return records

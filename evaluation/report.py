@@ -35,7 +35,8 @@ def summary_table(records: list[dict]) -> pd.DataFrame:
     rows = []
     for r in records:
         rows.append({
-            "task": r["task"], "press": r["press"], "ratio": r["compression_ratio"], "stride": r["stride"],
+            "task": r["task"], "length": r.get("context_length"), "press": r["press"],
+            "ratio": r["compression_ratio"], "stride": r["stride"],
             "protocol": r["protocol"], "mean": r["mean"], "worst": r["worst"], "boundary": r["boundary"],
             "p (phase test)": r["p_value"], "gap (cross-fit)": r["gap_xfit"],
             "gap 95% CI": f"[{_fmt(r['gap_xfit_ci_low'])}, {_fmt(r['gap_xfit_ci_high'])}]",
@@ -127,13 +128,16 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
     for r in records:
         if r["press"] == "no_press":
             continue
-        groups.setdefault((r["task"], r["stride"], r["compression_ratio"], r["protocol"]), []).append(r)
-    for (task, stride, ratio, protocol), group in sorted(groups.items()):
-        control = [c for c in controls if (c["task"], c["stride"], c["protocol"]) == (task, stride, protocol)]
-        name = f"phase_{task}_s{stride}_r{ratio:g}_{protocol}.png"
+        key = (r["task"], r.get("context_length") or 0, r["stride"], r["compression_ratio"], r["protocol"])
+        groups.setdefault(key, []).append(r)
+    for (task, length, stride, ratio, protocol), group in sorted(groups.items()):
+        control = [c for c in controls
+                   if (c["task"], c.get("context_length") or 0, c["stride"], c["protocol"]) == (task, length, stride,
+                                                                                               protocol)]
+        name = f"phase_{task}_n{length}_s{stride}_r{ratio:g}_{protocol}.png"
         plot_group(control + group, os.path.join(output_dir, name),
-                   f"{task}, stride {stride}, compression ratio {ratio:g}, {protocol} protocol")
-        plots.append((name, task, stride, ratio, protocol))
+                   f"{task}, {length} tokens, stride {stride}, compression ratio {ratio:g}, {protocol} protocol")
+        plots.append((name, task, length, stride, ratio, protocol))
 
     lines = ["# Phase evaluation report", ""]
     if config:
@@ -153,8 +157,9 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
     table = summary_table(records)
     if not table.empty:
         lines += [table.to_markdown(index=False, floatfmt=".3f"), ""]
-    for name, task, stride, ratio, protocol in plots:
-        lines += [f"## {task}, stride {stride}, ratio {ratio:g}, {protocol}", "", f"![{name}]({name})", ""]
+    for name, task, length, stride, ratio, protocol in plots:
+        lines += [f"## {task}, {length} tokens, stride {stride}, ratio {ratio:g}, {protocol}", "",
+                  f"![{name}]({name})", ""]
     with open(os.path.join(output_dir, "report.md"), "w") as fh:
         fh.write("\n".join(lines))
     return records

@@ -116,3 +116,25 @@ def test_tokenizer_without_bos_or_chat_template_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert "neither a BOS token nor a chat template" in err and "cannot be loaded" not in err
+
+
+def test_report_merges_runs_and_refuses_a_folder_without_results(tmp_path, capsys):
+    from kvpress_phase.evaluation import cli
+    from kvpress_phase.evaluation.runner import RESULTS_DIR
+
+    run = tmp_path / "run"
+    (run / RESULTS_DIR).mkdir(parents=True)
+    rows = [dict(task="niah_single", context_length=128, stride=4, window=None, protocol="prefix", sample_id=s,
+                 phase=p, press="x", compression_ratio=0.5, score=float(p != 1), cache_length=100)
+            for s in range(6) for p in range(4)]
+    from kvpress_phase.evaluation.runner import record_key
+    with open(run / RESULTS_DIR / "results-rank0.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps({**r, "key": record_key(r)}) + "\n")
+    out = tmp_path / "merged"
+    assert cli.main(["report", str(run), str(run), "--output-dir", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary) == 1 and summary[0]["n_samples"] == 6 and summary[0]["context_length"] == 128
+    assert summary[0]["per_phase"] == [1.0, 0.0, 1.0, 1.0] and summary[0]["p_value"] < 0.05
+    assert cli.main(["report", str(tmp_path / "nothing"), "--output-dir", str(out)]) == 2
+    assert "no results" in capsys.readouterr().err
