@@ -65,7 +65,7 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     with_attention = any(r.get("attention_per_phase") for r in records if r["press"] != "no_press")
-    fig, axes = plt.subplots(2 if with_attention else 1, 1, figsize=(7, 6.5 if with_attention else 4),
+    fig, axes = plt.subplots(2 if with_attention else 1, 1, figsize=(7, 6.5 if with_attention else 4.2),
                              sharex=True, squeeze=False)
     ax = axes[0, 0]
     stride = records[0]["stride"]
@@ -89,12 +89,11 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
     n = records[0].get("n_samples")
     detectable = records[0].get("detectable_gap")
     if n:
-        ax.text(0.99, 0.02, f"{n} samples per phase; a single phase {_fmt(detectable)} lower is detected with 80% "
-                "power" if detectable is not None else f"{n} samples per phase: too few to detect one weak phase",
-                transform=ax.transAxes, ha="right", va="bottom", fontsize=7, color="dimgrey")
+        title += (f"\n{n} samples per phase: a single phase {_fmt(detectable)} lower is detected with 80% power"
+                  if detectable is not None else f"\n{n} samples per phase: too few to detect one weak phase")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     if with_attention:
         ax2 = axes[1, 0]
         for r in records:
@@ -107,8 +106,7 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
         ax2.set_ylabel("needle attention / full cache")
     axes[-1, 0].set_xlabel("phase of the answer's first token, (position - offset) mod stride; shaded: boundary")
     axes[-1, 0].set_xticks(phases)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
