@@ -4,8 +4,9 @@ Keys and values of shape (1, heads, N, head_dim) in float32. For every N, in one
 
 - ``copy``: ``keys.clone(); values.clone()``, the memory-bound limit;
 - ``chunked_select``, ``chunked_pool`` (and the other pool variants): ``ChunkedStridePress.compress``;
-- ``phase_aware``: ``PhaseAwarePress.compress`` with its defaults; ``phase_aware_window`` the per-window grids
-  (aligned, staggered), ``phase_aware_row_*`` the content-adaptive budget with Knorm or SnapKV scores;
+- ``phase_aware``: ``PhaseAwarePress.compress`` with its defaults (content-adaptive budget, SnapKV scores);
+  ``phase_aware_window`` the earlier default (per-window grids aligned by key norm, staggered per head);
+  ``phase_aware_row_*`` the content-adaptive budget with Knorm or SnapKV scores;
 - ``kvpress_snapkv``: ``SnapKVPress(r).compress``; ``kvpress_chunk``: ``ChunkPress(KnormPress(r),
   chunk_length=stride).compress``.
 
@@ -69,7 +70,7 @@ def make_case(name: str, ratio: float, stride: int):
             ratio, stride=stride, window=stride, mode="pool", weighting="score", rope="centroid"
         ),
         "phase_aware": lambda: PhaseAwarePress(ratio, stride=stride),
-        "phase_aware_window": lambda: PhaseAwarePress(ratio, stride=stride, budget="window"),
+        "phase_aware_window": lambda: PhaseAwarePress(ratio, stride=stride, budget="window", scorer=KnormPress()),
         "phase_aware_row_knorm": lambda: PhaseAwarePress(ratio, stride=stride, budget="row", scorer=KnormPress(),
                                                          share_heads=True),
         "phase_aware_row_snapkv": lambda: PhaseAwarePress(ratio, stride=stride, budget="row", scorer=SnapKVPress(),

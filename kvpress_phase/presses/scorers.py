@@ -21,7 +21,7 @@ import torch
 from kvpress import SnapKVPress
 from kvpress.utils import get_prerope_query_states
 from torch import nn
-from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
+from transformers.models.llama.modeling_llama import rotate_half
 
 
 @dataclass
@@ -46,15 +46,20 @@ class SnapKVScorer(SnapKVPress):
     @staticmethod
     def compute_window_attention(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,
                                  position_embeddings) -> torch.Tensor:
-        _, _, k_len, _ = keys.shape
-        groups = module.config.num_attention_heads // module.config.num_key_value_heads
+        """Attention of the last ``window_size`` queries to the keys before them, ``(batch, query heads,
+        window_size, seq_len - window_size)``: kvpress's computation with the query heads of one KV head stacked
+        against that head's keys (no copy of the keys per query head) and the causal mask on the window alone."""
+        batch, kv_heads, k_len, head_dim = keys.shape
+        groups = module.config.num_attention_heads // kv_heads
         query = get_prerope_query_states(module, hidden_states[:, -window_size:])
         cos, sin = position_embeddings
         cos, sin = cos[:, -window_size:].unsqueeze(1), sin[:, -window_size:].unsqueeze(1)
         rotary = cos.shape[-1]
         q_rot, q_pass = query[..., :rotary], query[..., rotary:]
         query = torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1)
-        weights = torch.matmul(query, repeat_kv(keys, groups).transpose(2, 3)) / math.sqrt(module.head_dim)
-        mask = torch.triu(torch.full_like(weights, float("-inf")), diagonal=k_len - window_size + 1)
-        weights = nn.functional.softmax(weights + mask, dim=-1, dtype=torch.float32).to(query.dtype)
-        return weights[..., :-window_size]
+        query = query.reshape(batch, kv_heads, groups * window_size, head_dim)
+        weights = torch.matmul(query, keys.transpose(2, 3)) / math.sqrt(module.head_dim)
+        window = weights.view(batch, kv_heads, groups, window_size, k_len)[..., -window_size:]
+        window.add_(torch.triu(torch.full((window_size, window_size), float("-inf"), device=keys.device), diagonal=1))
+        weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        return weights.view(batch, kv_heads * groups, window_size, k_len)[..., :-window_size]
