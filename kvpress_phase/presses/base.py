@@ -219,6 +219,11 @@ class WindowedPress(BasePress):
             return _decoding.decode_step(self, module, kwargs, output)
         return BasePress.forward_hook(self, module, input, kwargs, output)
 
+    def reset(self) -> None:
+        """Kept for kvpress's ``PrefillDecodingPress``, which calls it whenever its context exits: the decoding
+        state of each layer belongs to the cache its prefill compressed and is replaced by the next prefill, so the
+        prefill's context exiting must not drop it."""
+
     def _check_positions(self, hidden_states: Optional[torch.Tensor], seq_len: int) -> None:
         """Refuse a cache that another press has already shortened: its indices are no longer token positions."""
         if hidden_states is None or hidden_states.dim() != 3 or seq_len >= hidden_states.shape[1]:
