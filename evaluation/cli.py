@@ -10,6 +10,7 @@ Bad input exits with code 2 and a one-line message.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
         "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
-        "With no arguments: a quick sweep on the built-in model (about 2 minutes on 2 CPU cores)."))
+        "With no arguments: a quick sweep on the built-in model (about 20 seconds on 2 CPU cores)."))
     ev.add_argument("--model", help="local model directory or hub id (default: the built-in model)")
     ev.add_argument("--tasks", type=_csv(str, "--tasks"), default=QUICK.tasks,
                     help=f"comma-separated task names (default: {','.join(QUICK.tasks)}; see `kvpress-phase list`)")
@@ -132,13 +133,15 @@ def load_model(model: Optional[str], device: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet = contextlib.nullcontext()
     if model is None:
-        from kvpress_phase.builtin import builtin_model_path
+        from kvpress_phase.builtin import builtin_model_path, quiet_loading
 
-        model = builtin_model_path()
+        model, quiet = builtin_model_path(), quiet_loading()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        with quiet:
+            lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"--model {model!r} cannot be loaded: {first}") from None

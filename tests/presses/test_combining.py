@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpress import ComposedPress, KnormPress, PrefillDecodingPress, StreamingLLMPress
+from kvpress import ComposedPress, DecodingPress, KnormPress, PrefillDecodingPress, StreamingLLMPress
 from transformers import DynamicCache, QuantizedCache, pipeline
 
 from tiny_models import tiny_model
@@ -60,6 +60,23 @@ def test_shortened_keys_are_refused_by_compress_itself():
         press.compress(None, torch.randn(1, 100, 16), keys, keys, None, {})
     out, _ = press.compress(None, torch.randn(1, 60, 16), keys, keys, None, {})  # a full cache is fine
     assert out.shape[2] == compressed_length(60, 8, 0.5)
+
+
+@pytest.mark.parametrize("name", ["chunked_pool", "phase_aware_select"])
+def test_ours_for_the_prefill_and_kvpress_decoding_press(name, tokenizer):
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    press = PrefillDecodingPress(PRESSES[name](0.5), DecodingPress(KnormPress(), compression_interval=16,
+                                                                   target_size=64))
+    sizes = []
+    hook = model.model.layers[0].self_attn.register_forward_hook(
+        lambda m, a, kw, out: sizes.append(kw["past_key_values"].get_seq_length(0)), with_kwargs=True)
+    try:
+        _pipe(model, tokenizer)(CONTEXT, question="w1", press=press, max_new_tokens=60)
+    finally:
+        hook.remove()
+    assert sizes[1] == compressed_length(_context_len(tokenizer), 8, 0.5) + 1  # ours compressed the prefill
+    assert min(sizes[2:]) <= 64 + 1  # kvpress's decoding press pruned to its target size
 
 
 # ------------------------------------------------------------------------------------------------ quantized cache
