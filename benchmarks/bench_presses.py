@@ -4,8 +4,13 @@ Keys and values of shape (1, heads, N, head_dim) in float32. For every N, in one
 
 - ``copy``: ``keys.clone(); values.clone()``, the memory-bound limit;
 - ``chunked_select``, ``chunked_pool`` (and the other pool variants): ``ChunkedStridePress.compress``;
-- ``phase_aware``: ``PhaseAwarePress.compress`` with its defaults;
-- ``kvpress_chunk``: ``ChunkPress(KnormPress(r), chunk_length=stride).compress``.
+- ``phase_aware``: ``PhaseAwarePress.compress`` with its defaults; ``phase_aware_window`` the per-window grids
+  (aligned, staggered), ``phase_aware_row_*`` the content-adaptive budget with Knorm or SnapKV scores;
+- ``kvpress_snapkv``: ``SnapKVPress(r).compress``; ``kvpress_chunk``: ``ChunkPress(KnormPress(r),
+  chunk_length=stride).compress``.
+
+The layer is a real Llama attention layer (``heads`` KV heads, 4 query heads each, random weights), because
+SnapKV-style scorers project the last hidden states to queries; its time counts for those cases.
 
 Time is the median of ``--repeats`` runs after one warm-up. Peak extra memory is measured in a fresh process per
 case: the growth of the peak resident set (VmHWM, reset just before the call) during one compress, outputs
@@ -28,17 +33,31 @@ import time
 import torch
 
 
-def make_module(head_dim: int):
-    module = torch.nn.Module()
-    module.layer_idx = 0
-    module.head_dim = head_dim
-    module.rotary_emb = torch.nn.Module()
-    module.rotary_emb.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)))
+QUERY_GROUPS = 4
+"""Query heads per KV head of the attention layer the scorers that read hidden states run on (Llama-3 style)."""
+
+
+def make_module(head_dim: int, heads: int = 8):
+    """A Llama attention layer (``heads`` KV heads, ``QUERY_GROUPS`` query heads each, random weights) with the
+    rotary embedding kvpress attaches to it: what SnapKV-style scorers need (projections, config, RoPE)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=heads * QUERY_GROUPS * head_dim, num_attention_heads=heads * QUERY_GROUPS,
+                         num_key_value_heads=heads, head_dim=head_dim, max_position_embeddings=1 << 20)
+    torch.manual_seed(0)
+    module = LlamaAttention(config, layer_idx=0).eval().requires_grad_(False)
+    module.rotary_emb = LlamaRotaryEmbedding(config)
     return module
 
 
+def position_embeddings(module, n: int):
+    ids = torch.arange(n)[None]
+    return module.rotary_emb(torch.empty(1, n, 1), ids)
+
+
 def make_case(name: str, ratio: float, stride: int):
-    from kvpress import ChunkPress, KnormPress
+    from kvpress import ChunkPress, KnormPress, SnapKVPress
 
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
 
@@ -50,6 +69,12 @@ def make_case(name: str, ratio: float, stride: int):
             ratio, stride=stride, window=stride, mode="pool", weighting="score", rope="centroid"
         ),
         "phase_aware": lambda: PhaseAwarePress(ratio, stride=stride),
+        "phase_aware_window": lambda: PhaseAwarePress(ratio, stride=stride, budget="window"),
+        "phase_aware_row_knorm": lambda: PhaseAwarePress(ratio, stride=stride, budget="row", scorer=KnormPress(),
+                                                         share_heads=True),
+        "phase_aware_row_snapkv": lambda: PhaseAwarePress(ratio, stride=stride, budget="row", scorer=SnapKVPress(),
+                                                          share_heads=True),
+        "kvpress_snapkv": lambda: SnapKVPress(ratio),
         "kvpress_chunk": lambda: ChunkPress(KnormPress(ratio), chunk_length=stride),
     }
     if name == "copy":
@@ -64,33 +89,40 @@ CASES = (
     "chunked_pool_none",
     "chunked_pool_score_centroid",
     "phase_aware",
+    "phase_aware_window",
+    "phase_aware_row_knorm",
+    "phase_aware_row_snapkv",
+    "kvpress_snapkv",
     "kvpress_chunk",
 )
 
 
-def run_once(press, module, keys, values, hidden):
+def run_once(press, module, keys, values, hidden, kwargs):
     if press is None:
         return keys.clone(), values.clone()
-    return press.compress(module, hidden, keys, values, None, {})
+    with torch.no_grad():
+        return press.compress(module, hidden, keys, values, None, kwargs)
 
 
-def inputs(n: int, heads: int, head_dim: int, seed: int = 0):
+def inputs(n: int, heads: int, head_dim: int, module, seed: int = 0):
+    """Keys, values, hidden states and the forward kwargs (RoPE tables) of one layer; the hidden states are
+    random (only query-aware scorers read them)."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(1, heads, n, head_dim, generator=g)
     values = torch.randn(1, heads, n, head_dim, generator=g)
-    hidden = torch.empty(1, n, 1)  # scorers used here ignore hidden states; ChunkPress slices them
-    return keys, values, hidden
+    hidden = torch.randn(1, n, module.config.hidden_size, generator=g)
+    return keys, values, hidden, {"position_embeddings": position_embeddings(module, n)}
 
 
 def time_case(name, n, args):
-    keys, values, hidden = inputs(n, args.heads, args.head_dim)
-    module = make_module(args.head_dim)
+    module = make_module(args.head_dim, args.heads)
+    keys, values, hidden, kwargs = inputs(n, args.heads, args.head_dim, module)
     press = make_case(name, args.ratio, args.stride)
-    run_once(press, module, keys, values, hidden)
+    run_once(press, module, keys, values, hidden, kwargs)
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        run_once(press, module, keys, values, hidden)
+        run_once(press, module, keys, values, hidden, kwargs)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -109,14 +141,14 @@ def memory_child(name: str, n: int, heads: int, head_dim: int, ratio: float, str
     The kernel's peak counter (VmHWM) is reset just before the call by writing 5 to /proc/self/clear_refs, so the
     figure is the peak during the call minus the resident set just before it (outputs included).
     """
-    keys, values, hidden = inputs(n, heads, head_dim)
-    module = make_module(head_dim)
+    module = make_module(head_dim, heads)
+    keys, values, hidden, kwargs = inputs(n, heads, head_dim, module)
     press = make_case(name, ratio, stride)
-    run_once(press, module, *inputs(256, heads, head_dim))  # imports and lazy initialisation are not counted
+    run_once(press, module, *inputs(256, heads, head_dim, module))  # imports and lazy initialisation are not counted
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
     before = _status_kib("VmRSS")
-    out = run_once(press, module, keys, values, hidden)
+    out = run_once(press, module, keys, values, hidden, kwargs)
     peak = _status_kib("VmHWM")
     del out
     print(json.dumps({"extra_bytes": (peak - before) * 1024}))

@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     ev.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="model dtype (default: float32)")
+    ev.add_argument("--matched-cache", action="store_true",
+                    help="run the kvpress baselines at the ratio that gives them exactly ChunkedStridePress's cache "
+                         "length for each context (our presses protect n_sink + n_local tokens, so at one nominal "
+                         "ratio they keep a few more entries); the nominal ratio still names the cell")
+    ev.add_argument("--no-diagnostics", action="store_true",
+                    help="skip the needle-attention diagnostic (faster; accuracy is unchanged)")
     ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs (default: 2000)")
     ev.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -129,22 +135,39 @@ def _check_output_dir(path: str) -> None:
 
 
 def load_model(model: Optional[str], device: str, dtype: str):
-    """Model and tokenizer from a path or hub id, or the built-in model."""
+    """Model and tokenizer from a path or hub id, or the built-in model.
+
+    The tokenizer is loaded and checked first (:func:`~.prompting.check_tokenizer`), so an unusable one is
+    reported before the model's weights are read.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .prompting import check_tokenizer
 
     quiet = contextlib.nullcontext()
     if model is None:
         from kvpress_phase.builtin import builtin_model_path, quiet_loading
 
         model, quiet = builtin_model_path(), quiet_loading()
+
+    def fail(exc: Exception, what: str) -> UsageError:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return UsageError(f"--model {model!r} {what}: {first}")
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        raise fail(exc, "cannot be loaded") from None
+    try:
+        check_tokenizer(tokenizer)
+    except ValueError as exc:
+        raise fail(exc, "has an unusable tokenizer") from None
+    try:
         with quiet:
             lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--model {model!r} cannot be loaded: {first}") from None
+        raise fail(exc, "cannot be loaded") from None
     return lm.to(device).eval(), tokenizer
 
 
@@ -160,6 +183,7 @@ def _cmd_eval(args) -> int:
         model=args.model, tasks=args.tasks, presses=args.presses, compression_ratios=args.compression_ratios,
         strides=args.strides, windows=args.windows, phases=args.phases, protocol=args.protocol,
         context_lengths=args.context_lengths, samples=args.samples, seed=args.seed, dtype=args.dtype,
+        diagnostics=not args.no_diagnostics, matched_cache=args.matched_cache,
     )
     try:
         config.validate()

@@ -1,28 +1,54 @@
-"""Per-phase metrics: accuracy with bootstrap CIs, the phase gap with its CI, and a homogeneity test.
+"""Per-phase metrics that hold under the null: accuracy per phase, a paired test of phase dependence, and a gap
+estimate that is about 0 when every phase is equally accurate.
 
 Input is a table of per-example results (one row per example x press variant x phase) with at least the columns
 ``task``, ``press``, ``compression_ratio``, ``stride``, ``protocol``, ``phase``, ``sample_id`` and ``score``
-(1.0 correct, 0.0 wrong, fractions allowed). One summary record comes out per task x press x compression ratio x
-stride x protocol:
+(1.0 correct, 0.0 wrong, fractions allowed). Every base sample is placed at every phase, so the results of one
+group form an ``(n_samples, stride)`` matrix whose rows share a prompt: the design is **paired**, and every
+statistic here uses that. One summary record comes out per task x press x compression ratio x stride x protocol:
 
-- ``per_phase``: mean score at every phase ``0 .. stride-1`` (``nan`` where a phase was not run), and
-  ``per_phase_ci``: its 95% percentile-bootstrap interval over samples;
+- ``per_phase``: mean score at every phase ``0 .. stride-1`` (``None`` where a phase was not run), and
+  ``per_phase_ci``: its 95% interval (Wilson score interval for 0/1 scores, percentile bootstrap over samples
+  otherwise);
 - ``mean``: mean over phases;
-- ``worst_phase`` / ``best_phase`` and ``gap = best - worst``, taken over the non-boundary phases
-  ``0 .. stride-2`` as in the reproduction of the paper, with a 95% CI from a paired bootstrap: base samples are
-  resampled once per replicate and every phase is rescored on the same resample, since the phases of one sample
-  share their prompt;
+- ``p_value``: **within-sample permutation test** of "accuracy does not depend on phase". Under that null the
+  phase labels of one sample are exchangeable, so shuffling them inside every sample gives the exact null
+  distribution of any statistic. The statistic is the range (max - min) of the per-phase means over all phases
+  run, which reacts to a single weak phase. Monte Carlo p-value ``(1 + #{T* >= T}) / (1 + n_permutations)``.
+  ``cochran_p``: Cochran's Q test (``statsmodels``) on the same paired 0/1 matrix, as a cross-check;
+- ``gap_xfit`` with ``gap_xfit_ci_low`` / ``gap_xfit_ci_high``: the **cross-fitted gap**. The samples are split
+  at random into halves; the best and worst non-boundary phases (``0 .. stride-2``, as in the reproduction of
+  the paper) are chosen on one half and their paired difference is measured on the other, and the roles are
+  swapped; ``gap_xfit`` is the mean of these held-out differences over ``n_splits`` random splits. Its
+  expectation is 0 when every phase is equally accurate (the half that measures never saw the selection), and
+  it is at most the true gap otherwise (a wrong selection only lowers it). The CI: every held-out difference gets
+  a two-sided Wald interval with Agresti and Min's adjustment for matched pairs (half a pseudo-pair in each
+  cell), computed on the held-out half alone; the reported bounds are the medians of
+  those bounds over all splits. A median of bounds that each exceed the truth with probability 2.5% exceeds it
+  with probability at most 5% (Markov's inequality on the share of splits that do), so ``gap_xfit_ci_low > 0``
+  is evidence of a phase effect at level 5% (``tests/evaluation/test_metrics_calibration.py`` checks the rates
+  on simulated flat truths);
+- ``gap``: the **plug-in** gap ``best - worst`` of the noisy per-phase means over the non-boundary phases, with
+  ``worst_phase`` / ``best_phase``. It is biased upward (the max of noisy means is too high, the min too low):
+  about 0.3 at a flat 0.45 with 16 samples per phase. Report it as a description of the sample, never as
+  evidence;
 - ``boundary``: the score at the boundary phase ``stride - 1``, reported apart;
-- ``p_value``: chi-square test of homogeneity of the correct/wrong counts across phases (``scipy.stats``);
-  1.0 when every phase scored the same in every sample;
+- ``detectable_gap``: the smallest drop of one phase below all others that the permutation test detects with
+  80% power at level 0.05 with this many samples and phases, whatever the accuracy level (see
+  :func:`detectable_gap`): what the cell can and cannot see;
 - ``attention_per_phase`` (when the results carry ``needle_attention_ratio``): mean ratio of the needle's
   attention mass under the press to its mass with the full cache, per phase (see :mod:`.diagnostics`).
+
+Samples that miss some of the phases run (an interrupted run) are left out of the paired statistics
+(``p_value``, ``cochran_p``, ``gap_xfit``); the per-phase means use every result.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Iterable
+import warnings
+from typing import Iterable, Optional
 
 import numpy as np
 import pandas as pd
@@ -30,8 +56,14 @@ from scipy import stats
 
 GROUP_KEYS = ("task", "press", "compression_ratio", "stride", "protocol")
 
+N_PERMUTATIONS = 2000
+N_SPLITS = 100
+DETECTABLE_POWER = 0.8
+ALPHA = 0.05
 
-def _phase_matrix(df: pd.DataFrame, stride: int) -> tuple[np.ndarray, list[int]]:
+
+# ---------------------------------------------------------------------------------------------- the matrix
+def phase_matrix(df: pd.DataFrame, stride: int) -> tuple[np.ndarray, list[int]]:
     """``(n_samples, stride)`` matrix of scores (nan where a phase was not run), and the phases present."""
     table = df.pivot_table(index="sample_id", columns="phase", values="score", aggfunc="mean")
     table = table.reindex(columns=range(stride))
@@ -39,79 +71,210 @@ def _phase_matrix(df: pd.DataFrame, stride: int) -> tuple[np.ndarray, list[int]]
     return table.to_numpy(dtype=float), present
 
 
-def _bootstrap_replicates(matrix: np.ndarray, n_resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """``(n_resamples, stride)`` per-phase means over resampled rows (paired across phases)."""
-    n = matrix.shape[0]
-    idx = rng.integers(0, n, size=(n_resamples, n))
-    with np.errstate(invalid="ignore"), _quiet():
-        return np.nanmean(matrix[idx], axis=1)
+def complete_rows(matrix: np.ndarray, phases: Iterable[int]) -> np.ndarray:
+    """The rows of ``matrix`` restricted to ``phases`` that have a score at every one of them."""
+    sub = matrix[:, list(phases)]
+    return sub[~np.isnan(sub).any(axis=1)]
 
 
-class _quiet:
-    def __enter__(self):
-        import warnings
-
-        self._w = warnings.catch_warnings()
-        self._w.__enter__()
-        warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        self._w.__exit__(*exc)
+def _is_binary(x: np.ndarray) -> bool:
+    x = x[~np.isnan(x)]
+    return bool(np.isin(x, (0.0, 1.0)).all())
 
 
-def homogeneity_p_value(matrix: np.ndarray, present: Iterable[int]) -> float:
-    """Chi-square test that the success rate is the same at every phase (scores rounded to correct/wrong)."""
-    present = list(present)
-    if len(present) < 2:
+# ---------------------------------------------------------------------------------------------- per phase
+def phase_intervals(matrix: np.ndarray, *, confidence: float = 0.95, n_resamples: int = 2000,
+                    rng: Optional[np.random.Generator] = None) -> np.ndarray:
+    """``(stride, 2)`` interval for every phase's mean score (nan where a phase has no result).
+
+    0/1 scores get the Wilson score interval (``statsmodels``), which keeps its coverage with few samples and at
+    accuracies near 0 or 1, where a percentile bootstrap collapses to a point. Fractional scores get a percentile
+    bootstrap over samples.
+    """
+    from statsmodels.stats.proportion import proportion_confint
+
+    rng = rng or np.random.default_rng(0)
+    out = np.full((matrix.shape[1], 2), np.nan)
+    alpha = 1 - confidence
+    for p in range(matrix.shape[1]):
+        col = matrix[:, p]
+        col = col[~np.isnan(col)]
+        if col.size == 0:
+            continue
+        if _is_binary(col):
+            out[p] = proportion_confint(int(col.sum()), col.size, alpha=alpha, method="wilson")
+        else:
+            means = col[rng.integers(0, col.size, size=(n_resamples, col.size))].mean(axis=1)
+            out[p] = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- phase test
+def _range_of_means(sums: np.ndarray) -> np.ndarray:
+    return sums.max(axis=-1) - sums.min(axis=-1)
+
+
+def permutation_p_value(rows: np.ndarray, *, n_permutations: int = N_PERMUTATIONS,
+                        rng: Optional[np.random.Generator] = None) -> float:
+    """Within-sample permutation test that the mean score is the same at every phase.
+
+    ``rows`` is ``(n_samples, n_phases)`` without missing values. Every permutation shuffles the phase labels
+    inside each sample independently; the statistic is the range of the per-phase means. Samples that scored the
+    same at every phase are unchanged by any shuffle and shift every phase mean alike, so they are left out of
+    the resampling (the statistic's permutation distribution is exactly the same). Returns ``nan`` with fewer
+    than two phases or no sample, and 1.0 when no sample varies across phases.
+    """
+    rows = np.asarray(rows, dtype=float)
+    if rows.ndim != 2 or rows.shape[1] < 2 or rows.shape[0] == 0:
         return float("nan")
-    correct = np.array([np.nansum(matrix[:, p] >= 0.5) for p in present])
-    total = np.array([np.sum(~np.isnan(matrix[:, p])) for p in present])
-    table = np.stack([correct, total - correct])
-    if (table.sum(axis=1) == 0).any():
-        return 1.0  # every phase all-correct or all-wrong: no evidence against homogeneity
-    return float(stats.chi2_contingency(table, correction=False).pvalue)
+    varying = rows[np.ptp(rows, axis=1) > 0]
+    if varying.shape[0] == 0:
+        return 1.0
+    rng = rng or np.random.default_rng(0)
+    observed = _range_of_means(varying.sum(axis=0))
+    n, k = varying.shape
+    exceed = 0
+    chunk = max(1, 2_000_000 // (n * k))
+    done = 0
+    while done < n_permutations:
+        m = min(chunk, n_permutations - done)
+        order = rng.random((m, n, k)).argsort(axis=2)
+        shuffled = np.take_along_axis(np.broadcast_to(varying, (m, n, k)), order, axis=2)
+        exceed += int((_range_of_means(shuffled.sum(axis=1)) >= observed - 1e-9).sum())
+        done += m
+    return (1 + exceed) / (1 + n_permutations)
 
 
-def summarize_group(df: pd.DataFrame, stride: int, *, n_resamples: int = 2000, seed: int = 0,
-                    confidence: float = 0.95) -> dict:
-    """Summary record of one task x press x ratio x stride x protocol group (see the module docstring)."""
-    matrix, present = _phase_matrix(df, stride)
+def cochran_p_value(rows: np.ndarray) -> Optional[float]:
+    """Cochran's Q test on paired 0/1 outcomes (``statsmodels``); ``None`` for fractional scores or < 2 phases."""
+    rows = np.asarray(rows, dtype=float)
+    if rows.ndim != 2 or rows.shape[1] < 2 or rows.shape[0] < 2 or not _is_binary(rows):
+        return None
+    if not (np.ptp(rows, axis=1) > 0).any():
+        return 1.0
+    from statsmodels.stats.contingency_tables import cochrans_q
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(cochrans_q(rows.astype(int)).pvalue)
+
+
+# ---------------------------------------------------------------------------------------------- the gap
+def crossfit_gap(rows: np.ndarray, *, n_splits: int = N_SPLITS, confidence: float = 0.95,
+                 rng: Optional[np.random.Generator] = None) -> tuple[Optional[float], Optional[float], Optional[float]]:
+    """Cross-fitted gap between the best and the worst phase, with its CI (see the module docstring).
+
+    ``rows`` is ``(n_samples, n_phases)`` without missing values, restricted to the phases the gap is taken
+    over. Returns ``(gap, ci_low, ci_high)``, all ``None`` with fewer than 4 samples or 2 phases (a half must
+    hold at least two samples for a held-out interval).
+    """
+    rows = np.asarray(rows, dtype=float)
+    n, k = rows.shape if rows.ndim == 2 else (0, 0)
+    if n < 4 or k < 2:
+        return None, None, None
+    rng = rng or np.random.default_rng(0)
+    half = n // 2
+    z = stats.norm.ppf(0.5 + confidence / 2)
+    rank = rng.random((n_splits, n)).argsort(axis=1).argsort(axis=1)
+    in_a = rank < half  # (splits, n)
+    estimates, lows, highs = [], [], []
+    for select, measure in ((in_a, ~in_a), (~in_a, in_a)):
+        sel = select.astype(float)
+        means = (sel @ rows) / sel.sum(axis=1, keepdims=True)  # (splits, k) on the selecting half
+        means = means + rng.random(means.shape) * 1e-9  # random tie-break, so ties favour no phase
+        best, worst = means.argmax(axis=1), means.argmin(axis=1)
+        diff = rows[:, best].T - rows[:, worst].T  # (splits, n): each sample's best - worst difference
+        m = measure.sum(axis=1)
+        d = np.where(measure, diff, 0.0)
+        mean = d.sum(axis=1) / m
+        # Agresti-Min adjustment for matched pairs: half a pseudo-pair at +1 and at -1, one at 0 (each cell of
+        # the 2x2 table of a pair's outcomes gets 0.5), so a held-out half whose differences are all equal still
+        # gets an interval of sensible width
+        m_adj = m + 2
+        center = d.sum(axis=1) / m_adj
+        var = (np.where(measure, diff**2, 0.0).sum(axis=1) + 1.0) / m_adj - center**2
+        half_width = z * np.sqrt(var / m_adj)
+        estimates.append(mean)
+        lows.append(np.maximum(center - half_width, -1.0))  # differences of scores in [0, 1] lie in [-1, 1]
+        highs.append(np.minimum(center + half_width, 1.0))
+    estimates, lows, highs = (np.concatenate(x) for x in (estimates, lows, highs))
+    return float(estimates.mean()), float(np.median(lows)), float(np.median(highs))
+
+
+# ---------------------------------------------------------------------------------------------- power
+@functools.lru_cache(maxsize=256)
+def detectable_gap(n_samples: int, n_phases: int, *, power: float = DETECTABLE_POWER, alpha: float = ALPHA,
+                   n_sim: int = 4000, seed: int = 0) -> Optional[float]:
+    """Smallest drop ``delta`` (in steps of 0.05) of one phase below the others that the phase test detects
+    with probability ``power`` at level ``alpha``, for every accuracy level of the other phases.
+
+    Simulated with 0/1 outcomes independent across phases (the least favourable case for a paired design:
+    outcomes correlated within a sample make phase differences less noisy), the range of per-phase means as the
+    statistic and its critical value from a flat truth at the same overall accuracy. ``None`` when even a drop
+    of 1.0 is not detected that often (too few samples). Cached: a report reuses one figure per sample count.
+    """
+    if n_samples < 1 or n_phases < 2:
+        return None
     rng = np.random.default_rng(seed)
-    with _quiet():
+    deltas = np.round(np.arange(0.05, 1.0001, 0.05), 2)
+    for delta in deltas:
+        worst_power = 1.0
+        for high in np.minimum(np.arange(delta, 1.0001, 0.05), 1.0):
+            low = max(0.0, high - delta)
+            base = (high * (n_phases - 1) + low) / n_phases
+            null = rng.binomial(n_samples, base, size=(n_sim, n_phases)) / n_samples
+            critical = np.quantile(_range_of_means(null), 1 - alpha, method="higher")
+            alt = rng.binomial(n_samples, [high] * (n_phases - 1) + [low], size=(n_sim, n_phases)) / n_samples
+            worst_power = min(worst_power, float((_range_of_means(alt) > critical).mean()))
+            if worst_power < power:
+                break
+        if worst_power >= power:
+            return float(delta)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- summaries
+def _clean(x):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def summarize_group(df: pd.DataFrame, stride: int, *, n_resamples: int = 2000, n_permutations: int = N_PERMUTATIONS,
+                    n_splits: int = N_SPLITS, seed: int = 0, confidence: float = 0.95) -> dict:
+    """Summary record of one task x press x ratio x stride x protocol group (see the module docstring)."""
+    matrix, present = phase_matrix(df, stride)
+    rng = np.random.default_rng(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         per_phase = np.nanmean(matrix, axis=0)
-    reps = _bootstrap_replicates(matrix, n_resamples, rng)
-    alpha = (1 - confidence) / 2
-    with _quiet():
-        lo = np.nanquantile(reps, alpha, axis=0)
-        hi = np.nanquantile(reps, 1 - alpha, axis=0)
+    intervals = phase_intervals(matrix, confidence=confidence, n_resamples=n_resamples, rng=rng)
 
     inner = [p for p in present if p != stride - 1] or present
-    inner_scores = per_phase[inner]
-    worst = inner[int(np.argmin(inner_scores))]
-    best = inner[int(np.argmax(inner_scores))]
-    gap_reps = np.nanmax(reps[:, inner], axis=1) - np.nanmin(reps[:, inner], axis=1)
-    with _quiet():
-        gap_lo, gap_hi = np.nanquantile(gap_reps, [alpha, 1 - alpha])
-
-    def clean(x):
-        return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
-
+    worst = inner[int(np.argmin(per_phase[inner]))]
+    best = inner[int(np.argmax(per_phase[inner]))]
+    paired = complete_rows(matrix, present)
+    gap_xfit, gap_lo, gap_hi = crossfit_gap(complete_rows(matrix, inner), n_splits=n_splits,
+                                            confidence=confidence, rng=rng)
     return {
-        "mean": clean(float(np.nanmean(per_phase[present]))),
-        "per_phase": [clean(x) for x in per_phase],
-        "per_phase_ci": [[clean(a), clean(b)] for a, b in zip(lo, hi)],
+        "mean": _clean(float(np.mean(per_phase[present]))),
+        "per_phase": [_clean(x) for x in per_phase],
+        "per_phase_ci": [[_clean(a), _clean(b)] for a, b in intervals],
         "worst_phase": int(worst),
-        "worst": clean(per_phase[worst]),
+        "worst": _clean(per_phase[worst]),
         "best_phase": int(best),
-        "best": clean(per_phase[best]),
-        "gap": clean(per_phase[best] - per_phase[worst]),
-        "gap_ci_low": clean(gap_lo),
-        "gap_ci_high": clean(gap_hi),
-        "boundary": clean(per_phase[stride - 1]) if (stride - 1) in present and stride > 1 else None,
-        "p_value": clean(homogeneity_p_value(matrix, present)),
+        "best": _clean(per_phase[best]),
+        "gap": _clean(per_phase[best] - per_phase[worst]),
+        "gap_xfit": _clean(gap_xfit),
+        "gap_xfit_ci_low": _clean(gap_lo),
+        "gap_xfit_ci_high": _clean(gap_hi),
+        "boundary": _clean(per_phase[stride - 1]) if (stride - 1) in present and stride > 1 else None,
+        "p_value": _clean(permutation_p_value(paired, n_permutations=n_permutations, rng=rng)),
+        "cochran_p": _clean(cochran_p_value(paired)),
+        "detectable_gap": detectable_gap(int(paired.shape[0]), len(present)) if paired.shape[0] else None,
         "n_samples": int(matrix.shape[0]),
+        "n_paired": int(paired.shape[0]),
         "phases": present,
         "attention_per_phase": _attention_per_phase(df, stride),
+        "cache_length": _clean(float(df["cache_length"].mean())) if "cache_length" in df else None,
     }
 
 
@@ -122,13 +285,16 @@ def _attention_per_phase(df: pd.DataFrame, stride: int):
     return [None if math.isnan(x) else float(x) for x in means]
 
 
-def summarize(results: pd.DataFrame, *, n_resamples: int = 2000, seed: int = 0) -> list[dict]:
-    """One summary record per task x press x compression ratio x stride x protocol."""
+def summarize(results: pd.DataFrame, *, n_resamples: int = 2000, seed: int = 0, **kwargs) -> list[dict]:
+    """One summary record per task x press x compression ratio x stride x protocol.
+
+    Extra keyword arguments (``n_permutations``, ``n_splits``, ``confidence``) go to :func:`summarize_group`.
+    """
     records = []
     for key, group in results.groupby(list(GROUP_KEYS), sort=True, dropna=False):
         record = dict(zip(GROUP_KEYS, key))
         record["compression_ratio"] = float(record["compression_ratio"])
         record["stride"] = int(record["stride"])
-        record.update(summarize_group(group, record["stride"], n_resamples=n_resamples, seed=seed))
+        record.update(summarize_group(group, record["stride"], n_resamples=n_resamples, seed=seed, **kwargs))
         records.append(record)
     return records

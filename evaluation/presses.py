@@ -69,13 +69,58 @@ def parse_press_spec(text: str) -> PressSpec:
     return spec
 
 
-def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: Optional[int], offset: int):
-    """The press ``spec`` at ``compression_ratio`` (None for ``no_press``)."""
+SCORERS = {
+    "knorm": "KnormPress",
+    "snapkv": "kvpress_phase.presses.scorers.SnapKVScorer",
+    "expected_attention": "ExpectedAttentionPress",
+    "tova": "TOVAPress",
+    "keydiff": "KeyDiffPress",
+    "random": "RandomPress",
+}
+"""Scorers our presses accept by name in a spec (``phase_aware:scorer=snapkv``): kvpress's, and for ``snapkv`` its
+partial-rotary-safe version :class:`~kvpress_phase.presses.scorers.SnapKVScorer` (same scores otherwise)."""
+
+
+def scorer_from_name(name: str):
+    """A fresh kvpress ``ScorerPress`` for a name of :data:`SCORERS`; ValueError listing the names otherwise."""
+    import importlib
+
+    if name not in SCORERS:
+        raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(SCORERS)}")
+    module, _, cls = SCORERS[name].rpartition(".")
+    return getattr(importlib.import_module(module or "kvpress"), cls)()
+
+
+def matched_ratio(context_length: int, stride: int, compression_ratio: float) -> float:
+    """The compression ratio at which a kvpress scorer press keeps exactly as many entries as
+    ``ChunkedStridePress(compression_ratio, stride=stride)`` (default ``n_sink`` and ``n_local``) does for
+    ``context_length`` tokens. kvpress keeps ``int(n * (1 - ratio))`` entries (whole chunks of it for ChunkKV); the
+    half entry keeps ``int`` exact against rounding."""
+    from kvpress_phase import ChunkedStridePress
+    from kvpress_phase.phase import compressed_length
+
+    ref = ChunkedStridePress(compression_ratio, stride=stride, window=stride)
+    kept = compressed_length(context_length, stride, compression_ratio, ref.n_sink, ref.n_local)
+    return min(max((context_length - kept - 0.5) / context_length, 0.0), 0.999999)
+
+
+def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: Optional[int], offset: int,
+                *, matched_context_length: Optional[int] = None):
+    """The press ``spec`` at ``compression_ratio`` (None for ``no_press``).
+
+    With ``matched_context_length``, the kvpress baselines run at :func:`matched_ratio` for that many tokens
+    instead of the nominal ratio, so that they keep as many entries as ``ChunkedStridePress`` does.
+    """
     from kvpress import ChunkKVPress, ChunkPress, KnormPress, SnapKVPress, StreamingLLMPress
 
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
 
     options = dict(spec.options)
+    if isinstance(options.get("scorer"), str):
+        options["scorer"] = scorer_from_name(options["scorer"])
+    base_ratio = compression_ratio
+    if matched_context_length is not None and spec.name not in OUR_PRESSES and compression_ratio > 0:
+        base_ratio = matched_ratio(matched_context_length, stride, compression_ratio)
     factories: dict[str, Callable] = {
         "no_press": lambda: None,
         "chunked_stride": lambda: ChunkedStridePress(
@@ -84,11 +129,11 @@ def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: 
         "phase_aware": lambda: PhaseAwarePress(
             compression_ratio, stride=stride, offset=offset, **({"window": window} if window else {}), **options
         ),
-        "snapkv": lambda: SnapKVPress(compression_ratio),
-        "knorm": lambda: KnormPress(compression_ratio),
-        "streaming_llm": lambda: StreamingLLMPress(compression_ratio),
-        "chunkkv": lambda: ChunkKVPress(press=SnapKVPress(compression_ratio), chunk_length=stride),
-        "chunk": lambda: ChunkPress(press=KnormPress(compression_ratio), chunk_length=stride),
+        "snapkv": lambda: SnapKVPress(base_ratio),
+        "knorm": lambda: KnormPress(base_ratio),
+        "streaming_llm": lambda: StreamingLLMPress(base_ratio),
+        "chunkkv": lambda: ChunkKVPress(press=SnapKVPress(base_ratio), chunk_length=stride),
+        "chunk": lambda: ChunkPress(press=KnormPress(base_ratio), chunk_length=stride),
     }
     try:
         return factories[spec.name]()

@@ -21,6 +21,38 @@ def _has_chat_template(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
+def require_fast_tokenizer(tokenizer) -> None:
+    """Raise ValueError unless ``tokenizer`` is a fast (Rust ``tokenizers``) tokenizer.
+
+    Positions are computed from the character offsets of every token (``return_offsets_mapping=True``), which
+    only fast tokenizers provide.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"a fast tokenizer is required (token positions come from its offsets mapping), got "
+            f"{type(tokenizer).__name__}, which is not fast; load the model's tokenizer with "
+            f"AutoTokenizer.from_pretrained(..., use_fast=True) or convert it to a PreTrainedTokenizerFast"
+        )
+
+
+def check_tokenizer(tokenizer) -> None:
+    """Raise ValueError when kvpress's pipeline or the position bookkeeping cannot use ``tokenizer``.
+
+    Two requirements, checked before any example is generated or any model is run:
+
+    * it is a fast tokenizer (:func:`require_fast_tokenizer`);
+    * it has a chat template or a BOS token: without a chat template the pipeline prefixes every context with
+      ``tokenizer.bos_token`` and fails on a tokenizer that has none.
+    """
+    require_fast_tokenizer(tokenizer)
+    if not _has_chat_template(tokenizer) and getattr(tokenizer, "bos_token", None) is None:
+        raise ValueError(
+            "the tokenizer has neither a BOS token nor a chat template; kvpress's pipeline prefixes the context "
+            "with the BOS token when there is no chat template, so it cannot run with this tokenizer; set "
+            "tokenizer.bos_token or tokenizer.chat_template"
+        )
+
+
 def prefill_layout(tokenizer, context: str, enable_thinking: bool = False) -> tuple[str, int, str]:
     """Return ``(prefill_text, context_char_start, question_suffix)`` as the pipeline builds them.
 
@@ -64,8 +96,11 @@ def question_token_ids(tokenizer, question: str, answer_prefix: str = "") -> lis
 
 def encode_with_offsets(tokenizer, context: str) -> tuple[list[int], list[tuple[int, int]], int]:
     """Prefill ids, their character offsets in the prefill text, and where the context starts in that text."""
+    require_fast_tokenizer(tokenizer)
     text, start, _ = prefill_layout(tokenizer, context)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if "offset_mapping" not in enc:
+        raise ValueError(f"{type(tokenizer).__name__} returned no offsets mapping; a fast tokenizer is required")
     return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]], start
 
 

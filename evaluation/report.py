@@ -26,15 +26,20 @@ def _fmt(x, digits=2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _fmt_p(p) -> str:
+    return "-" if p is None else f"{p:.2g}" if p >= 0.001 else "<0.001"
+
+
 def summary_table(records: list[dict]) -> pd.DataFrame:
-    """A compact table of the summary records, one row each."""
+    """A compact table of the summary records, one row each (the calibrated statistics first)."""
     rows = []
     for r in records:
         rows.append({
             "task": r["task"], "press": r["press"], "ratio": r["compression_ratio"], "stride": r["stride"],
-            "protocol": r["protocol"], "mean": r["mean"], "worst": r["worst"], "best": r["best"], "gap": r["gap"],
-            "gap 95% CI": f"[{_fmt(r['gap_ci_low'])}, {_fmt(r['gap_ci_high'])}]", "boundary": r["boundary"],
-            "p": r["p_value"], "n": r["n_samples"],
+            "protocol": r["protocol"], "mean": r["mean"], "worst": r["worst"], "boundary": r["boundary"],
+            "p (phase test)": r["p_value"], "gap (cross-fit)": r["gap_xfit"],
+            "gap 95% CI": f"[{_fmt(r['gap_xfit_ci_low'])}, {_fmt(r['gap_xfit_ci_high'])}]",
+            "detectable gap": r["detectable_gap"], "plug-in gap": r["gap"], "n": r["n_samples"],
             "per phase": " ".join(_fmt(x) for x in r["per_phase"]),
         })
     return pd.DataFrame(rows)
@@ -70,12 +75,22 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
         lo = [float("nan") if a is None else a for a, _ in r["per_phase_ci"]]
         hi = [float("nan") if b is None else b for _, b in r["per_phase_ci"]]
         style = dict(linestyle="--", color="black") if r["press"] == "no_press" else {}
-        (line,) = ax.plot(phases, acc, marker="o", label=f"{r['press']} (mean {_fmt(r['mean'])})", **style)
+        label = f"{r['press']} (mean {_fmt(r['mean'])}"
+        if r["press"] != "no_press":
+            label += f", p {_fmt_p(r['p_value'])}, gap {_fmt(r['gap_xfit'])} [{_fmt(r['gap_xfit_ci_low'])}, " \
+                     f"{_fmt(r['gap_xfit_ci_high'])}]"
+        (line,) = ax.plot(phases, acc, marker="o", label=label + ")", **style)
         colors[r["press"]] = line.get_color()
         ax.fill_between(phases, lo, hi, alpha=0.15, color=line.get_color())
     for a in axes[:, 0]:
         a.axvspan(stride - 1.5, stride - 0.5, color="grey", alpha=0.1)
     ax.set_ylabel("accuracy (95% CI)")
+    n = records[0].get("n_samples")
+    detectable = records[0].get("detectable_gap")
+    if n:
+        ax.text(0.99, 0.02, f"{n} samples per phase; a single phase {_fmt(detectable)} lower is detected with 80% "
+                "power" if detectable is not None else f"{n} samples per phase: too few to detect one weak phase",
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=7, color="dimgrey")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.legend(fontsize=7, loc="lower left")
@@ -124,9 +139,15 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
     if config:
         lines += ["Configuration:", "", "```json", json.dumps(config, indent=2), "```", ""]
     lines += [
-        "Accuracy per phase of the answer's first token. `gap` = best - worst over phases 0..S-2 with a 95% paired "
-        "bootstrap CI; `boundary` = phase S-1, reported apart; `p` = chi-square test of homogeneity across "
-        "phases; `no_press` is the uncompressed control on the same prompts.",
+        "Accuracy per phase of the answer's first token (95% Wilson intervals in the plots). `p (phase test)` = "
+        "within-sample permutation test that accuracy does not depend on phase (paired: every sample is placed at "
+        "every phase). `gap (cross-fit)` = best - worst non-boundary phase (0..S-2), the two chosen on one random "
+        "half of the samples and measured on the other, averaged over splits: about 0 when phase does not matter; "
+        "its 95% CI excludes 0 only on evidence of a phase effect. `detectable gap` = the smallest drop of a single "
+        "phase below the others that the phase test detects with 80% power at this sample count, whatever the "
+        "accuracy level: smaller effects may be present unseen. `plug-in gap` = best - worst of the observed means, "
+        "biased upward (a description of the sample, not evidence). `boundary` = phase S-1, reported apart. "
+        "`no_press` is the uncompressed control on the same prompts.",
         "",
     ]
     table = summary_table(records)

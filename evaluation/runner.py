@@ -32,6 +32,7 @@ from kvpress import BasePress, KVPressTextGenerationPipeline
 
 from .diagnostics import needle_attention
 from .presses import PHASE_GRID_PRESSES, PressSpec, build_press, parse_press_spec
+from .prompting import check_tokenizer
 from .tasks import PROTOCOLS, generate, get_task, score
 
 RESULTS_DIR = "results"
@@ -55,6 +56,7 @@ class EvalConfig:
     seed: int = 0
     dtype: str = "float32"
     diagnostics: bool = True
+    matched_cache: bool = False
 
     def validate(self) -> None:
         for name in self.tasks:
@@ -294,11 +296,14 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
                    max_units: Optional[int] = None) -> pd.DataFrame:
     """Run (or resume) ``config`` and return the merged per-example results.
 
-    ``max_units`` stops after that many work units of this rank (used to test interruption).
+    ``max_units`` stops after that many work units of this rank (used to test interruption). A tokenizer that
+    the pipeline or the task generators cannot use (not fast, or neither a BOS token nor a chat template)
+    raises ValueError before anything is written or run.
     """
     from tqdm.auto import tqdm
 
     config.validate()
+    check_tokenizer(tokenizer)
     check_context_lengths(config, model)
     rank, world, barrier = distributed_state()
     os.makedirs(os.path.join(output_dir, RESULTS_DIR), exist_ok=True)
@@ -358,16 +363,18 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
             offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
             memo_key = (context, spec.label, ratio, window, offset)
             if memo_key not in memo:
-                press = build_press(spec, ratio, unit.stride, window, offset)
                 state = prefills[context]
+                press = build_press(spec, ratio, unit.stride, window, offset,
+                                    matched_context_length=state.context_length if config.matched_cache else None)
                 answers, cache = engine.answer(state, press, encoded["questions_ids"], row["max_new_tokens"])
                 cache_len = cache.get_seq_length(0)
                 mass = None
                 if config.diagnostics:
                     needle = (row["needle_token_start"], row["needle_token_end"])
                     mass = needle_attention(engine, state, press, encoded["questions_ids"][0], needle, cache=cache)
-                memo[memo_key] = (answers[0], cache_len, mass)
-            prediction, cache_len, mass = memo[memo_key]
+                press_ratio = getattr(press, "compression_ratio", 0.0) if press is not None else 0.0
+                memo[memo_key] = (answers[0], cache_len, mass, press_ratio)
+            prediction, cache_len, mass, press_ratio = memo[memo_key]
             full_mass = None
             if config.diagnostics:
                 if context not in full_masses:
@@ -380,6 +387,7 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
                 "context_tokens": row["context_length"], "answer_token_start": row["answer_token_start"],
                 "answer": list(row["answer"]), "prediction": prediction,
                 "score": score(prediction, row["answer"], unit.task), "cache_length": cache_len,
+                "press_ratio": press_ratio,
                 "needle_attention": mass,
                 "needle_attention_ratio": (mass / full_mass) if mass is not None and full_mass else None,
             })

@@ -1,6 +1,6 @@
 """Compression ops of kvpress-phase, with one dispatch point between Triton and PyTorch.
 
-Public functions: :func:`select_windows` and :func:`pool_windows`. Each runs the Triton kernel when the tensors
+Public functions: :func:`select_windows`, :func:`pool_windows` and :func:`keep_and_pool`. Each runs the Triton kernel when the tensors
 are on a CUDA device and Triton is importable, and the plain-PyTorch reference (:mod:`.naive`, the
 specification) otherwise. Force either with ``backend="triton"`` / ``backend="torch"`` or the environment
 variable ``KVPRESS_PHASE_BACKEND`` (``auto``, ``triton`` or ``torch``; the argument wins). With
@@ -27,7 +27,7 @@ from kvpress_phase.phase import WindowLayout
 from . import naive
 from .naive import ROPE_MODES, WEIGHTINGS, Compressed
 
-__all__ = ["select_windows", "pool_windows", "Compressed", "resolve_backend", "triton_available", "BACKENDS"]
+__all__ = ["select_windows", "pool_windows", "keep_and_pool", "Compressed", "resolve_backend", "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "KVPRESS_PHASE_BACKEND"
@@ -127,3 +127,33 @@ def pool_windows(
             )
         _fallback(reason, _forced(backend))
     return naive.pool_windows(keys, values, layout, scores=scores, weighting=weighting, rope=rope, inv_freq=inv_freq)
+
+
+def keep_and_pool(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    raw: torch.Tensor,
+    layout: WindowLayout,
+    *,
+    scores: Optional[torch.Tensor] = None,
+    weighting: str = "mean",
+    rope: str = "none",
+    inv_freq: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+) -> Compressed:
+    """Keep the tokens ``raw`` marks and merge each window's others into one entry. See
+    :func:`.naive.keep_and_pool` for the exact semantics."""
+    if resolve_backend(keys, backend) == "triton":
+        from . import triton_ops
+
+        reason = triton_ops.unsupported(
+            keys, values, layout, mode="keep_and_pool", rope=rope, inv_freq=inv_freq,
+            scores=scores if weighting == "score" else None, raw=raw,
+        )
+        if reason is None:
+            return triton_ops.keep_and_pool(
+                keys, values, raw, layout, scores=scores, weighting=weighting, rope=rope, inv_freq=inv_freq
+            )
+        _fallback(reason, _forced(backend))
+    return naive.keep_and_pool(keys, values, raw, layout, scores=scores, weighting=weighting, rope=rope,
+                               inv_freq=inv_freq)

@@ -31,6 +31,9 @@ class Compressed(NamedTuple):
     positions: torch.Tensor
     """``(batch, heads, compressed_length)`` long: the source position of every raw or selected entry, the
     first position of its group for a pooled entry."""
+    ends: Optional[torch.Tensor] = None
+    """``(batch, heads, compressed_length)`` long, one past the last source position of every entry, where the
+    op knows it better than the layout does (:func:`keep_and_pool`); ``None`` otherwise."""
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -96,6 +99,28 @@ def _positions_tensor(layout: WindowLayout, entry_positions: torch.Tensor) -> to
     n = layout.seq_len
     raw = torch.arange(n, device=entry_positions.device).expand(layout.batch, layout.heads, n)
     return _assemble(raw, entry_positions.flatten(2), layout)
+
+
+def _weighted_rows(mix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``(batch, heads, n, dim)`` float32: ``sum_j mix[..., i, j] * x[..., i, j, :]`` for windows ``x`` of shape
+    ``(batch, heads, n, W, dim)``. One batched matrix product per (batch, head) row, so that the windows of a row,
+    a view into the cache, are read in place instead of being copied to a contiguous batch first."""
+    out = torch.empty(mix.shape[:-1] + (x.shape[-1],), dtype=torch.float32, device=x.device)
+    w = mix.unsqueeze(-2)
+    for b in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            torch.matmul(w[b, h], x[b, h].float(), out=out[b, h].unsqueeze(-2))
+    return out
+
+
+def _take_rows(x: torch.Tensor, flat_index: torch.Tensor, length: int) -> torch.Tensor:
+    """``(batch * heads * length, dim)`` rows of ``x`` (``(batch, heads, seq_len, dim)``) at ``flat_index``
+    (``row * seq_len + position``): one contiguous row copy each, much faster on CPU than ``gather`` along dim 2."""
+    if x.is_contiguous():
+        return x.reshape(-1, x.shape[-1]).index_select(0, flat_index)
+    b, h, n, d = x.shape
+    pos = (flat_index % n).view(b, h, length)
+    return x.gather(2, pos[..., None].expand(-1, -1, -1, d)).reshape(-1, d)
 
 
 def _passthrough(keys: torch.Tensor, values: torch.Tensor, layout: WindowLayout) -> Compressed:
@@ -217,3 +242,120 @@ def pool_windows(
     new_keys = _assemble(keys, _to_dtype(merged_k, keys.dtype).flatten(2, 3), layout)
     new_values = _assemble(values, _to_dtype(merged_v, values.dtype).flatten(2, 3), layout)
     return Compressed(new_keys, new_values, _positions_tensor(layout, group_start))
+
+
+# ---------------------------------------------------------------------------------------------- keep and pool
+def keep_and_pool_plan(raw: torch.Tensor, layout: WindowLayout) -> dict:
+    """Where every window slot goes in :func:`keep_and_pool`'s output (shared by the reference and the kernel).
+
+    Returns a dict of ``(batch, heads, n_windows[, window])`` tensors: ``raw`` (bool, the window slots kept as
+    they are), ``count`` (raw slots per window), ``base`` (output index of the window's first entry),
+    ``first_member`` / ``last_member`` (slots of the first and last token the window's merged entry pools) and
+    ``slot_out`` (output index of every slot; the merged entry's index for pooled slots).
+    """
+    if layout.window != layout.stride:
+        raise ValueError(f"keep_and_pool needs window == stride, got window={layout.window}, stride={layout.stride}")
+    if raw.shape != (layout.batch, layout.heads, layout.seq_len):
+        raise ValueError(f"raw must have shape {(layout.batch, layout.heads, layout.seq_len)}, got {tuple(raw.shape)}")
+    S = layout.stride
+    rw = _windows(raw.to(torch.bool), layout)  # (B, H, nw, S)
+    member = ~rw
+    if not bool(member.any(dim=-1).all()):
+        raise ValueError("every window must leave at least one token to pool (raw marks a whole window)")
+    count = rw.sum(dim=-1)  # (B, H, nw)
+    kept = count.sum(dim=-1)
+    if not bool((kept == kept.flatten()[0]).all()):
+        raise ValueError("every row must keep the same number of raw window tokens (the cache is one tensor)")
+    size = count + 1
+    base = layout.first[..., None] + size.cumsum(dim=-1) - size
+    slots = torch.arange(S, device=raw.device)
+    first_member = member.to(torch.int8).argmax(dim=-1)  # every slot before it is raw
+    last_member = S - 1 - member.flip(-1).to(torch.int8).argmax(dim=-1)
+    raw_before = rw.cumsum(dim=-1) - rw.to(count.dtype)
+    after_merged = (slots > first_member[..., None]).to(count.dtype)
+    slot_out = torch.where(rw, base[..., None] + raw_before + after_merged, (base + first_member)[..., None])
+    return {"raw": rw, "count": count, "base": base, "first_member": first_member, "last_member": last_member,
+            "slot_out": slot_out, "kept": int(kept.flatten()[0]) if kept.numel() else 0}
+
+
+def keep_and_pool(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    raw: torch.Tensor,
+    layout: WindowLayout,
+    *,
+    scores: Optional[torch.Tensor] = None,
+    weighting: str = "mean",
+    rope: str = "none",
+    inv_freq: Optional[torch.Tensor] = None,
+) -> Compressed:
+    """Keep the tokens ``raw`` marks, and merge each window's other tokens into one entry.
+
+    The content-adaptive counterpart of :func:`pool_windows`: which tokens of a window stay as they are, and so
+    how many entries the window yields, is given by the mask ``raw`` (``(batch, heads, seq_len)`` bool), chosen
+    by the caller across the whole row. Only the mask's values inside the compressed windows matter (tokens
+    before the first window and after the last are always kept). Every window must leave at least one token
+    unmarked, and every row must mark the same number of window tokens; the output then has
+    ``seq_len - n_windows * stride + n_kept + n_windows`` entries.
+
+    Each window's unmarked tokens (its *members*) are merged like a group of :func:`pool_windows`: weighted
+    uniformly or by the softmax of their scores over the members, keys un-rotated and re-rotated at the first
+    member's position (``rope="start"``), the midpoint of the first and last members (``"center"``), the weighted
+    mean member position (``"centroid"``), or averaged as stored (``"none"``). A window with one member yields
+    that token exactly (up to rounding) under every RoPE mode but ``"center"``/``"centroid"`` of one token, which
+    are the token's own position too.
+
+    Entries stay sorted by position: the merged entry sits where its first member was. ``positions`` holds every
+    entry's first source position and ``ends`` one past its last (members need not be contiguous: raw tokens of
+    the window can lie between them).
+    """
+    check_pool_arguments(weighting, rope, scores, inv_freq)
+    if layout.n_windows == 0:
+        return _passthrough(keys, values, layout)
+    plan = keep_and_pool_plan(raw, layout)
+    S, nw = layout.stride, layout.n_windows
+    device = keys.device
+    member = ~plan["raw"]
+    if weighting == "mean":
+        mix = member.to(torch.float32)
+    else:
+        s = _windows(scores.float(), layout).masked_fill(~member, float("-inf"))
+        mix = torch.exp(s - s.amax(dim=-1, keepdim=True))
+    mix = mix / mix.sum(dim=-1, keepdim=True)  # (B, H, nw, S)
+
+    slots = torch.arange(S, device=device)
+    kw = _windows(keys, layout)  # (B, H, nw, S, D)
+    vw = _windows(values, layout)
+    if rope == "none":
+        merged_k = _weighted_rows(mix, kw)
+    else:
+        merged_k = _weighted_rows(mix, rotate(kw, -slots, inv_freq))  # every key back to its window start
+        first, last = plan["first_member"].float(), plan["last_member"].float()
+        rep = {"start": first, "center": (first + last) / 2, "centroid": (mix * slots).sum(dim=-1)}[rope]
+        merged_k = rotate(merged_k, rep, inv_freq)
+    merged_v = _weighted_rows(mix, vw)
+
+    C = layout.seq_len - nw * S + plan["kept"] + nw
+    starts = layout.window_starts()  # (B, H, nw)
+    pos = starts[..., None] + slots  # (B, H, nw, S)
+    # source index of every output entry: raw tokens outside the windows, then every window slot scattered to its
+    # output index (pooled slots all land on their merged entry, which is overwritten below)
+    t = torch.arange(C, device=device)
+    f = layout.first[..., None]
+    src = torch.where(t < f, t, t + (nw * S - plan["kept"] - nw)).expand(layout.batch, layout.heads, C).clone()
+    src.scatter_(2, plan["slot_out"].flatten(2), pos.flatten(2))
+    merged_at = (plan["base"] + plan["first_member"])  # (B, H, nw)
+    ends = src + 1
+    ends.scatter_(2, merged_at, starts + plan["last_member"] + 1)
+
+    rows = torch.arange(layout.batch * layout.heads, device=device).view(layout.batch, layout.heads, 1)
+    flat_src = (rows * layout.seq_len + src).flatten()
+    flat_merged = (rows * C + merged_at).flatten()
+
+    def assemble(x, merged):
+        return _take_rows(x, flat_src, C).index_copy_(
+            0, flat_merged, _to_dtype(merged, x.dtype).flatten(0, 2)).view(layout.batch, layout.heads, C, -1)
+
+    positions = src.clone()
+    positions.scatter_(2, merged_at, starts + plan["first_member"])
+    return Compressed(assemble(keys, merged_k), assemble(values, merged_v), positions, ends)

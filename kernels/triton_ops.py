@@ -41,9 +41,9 @@ import triton.language as tl
 
 from kvpress_phase.phase import WindowLayout, group_bounds
 
-from .naive import ROPE_MODES, Compressed, check_pool_arguments
+from .naive import ROPE_MODES, Compressed, check_pool_arguments, keep_and_pool_plan
 
-__all__ = ["unsupported", "select_windows", "pool_windows", "MAX_HEAD_DIM", "MAX_SELECT_WINDOW", "DTYPES"]
+__all__ = ["unsupported", "select_windows", "pool_windows", "keep_and_pool", "MAX_HEAD_DIM", "MAX_SELECT_WINDOW", "DTYPES"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCORE_DTYPES = DTYPES + (torch.float64,)
@@ -301,6 +301,186 @@ def _pool_kernel(
         tl.store(OP + opbase + dst, src, mask=rm)
 
 
+@triton.jit(do_not_specialize=["n", "cl", "nw", "n_raw", "n_wblk", "kept"])
+def _keep_pool_kernel(
+    K, V, SC, RAW, OUTI, FIRST, MAT, FM, LM, INVF, OK, OV, OP, OE,
+    H, n, cl, nw, G, n_raw, n_wblk, kept, HALF,
+    skb, skh, sks, skd, svb, svh, svs, svd, ssb, ssh, sss,
+    DK, DV,
+    SCORE: tl.constexpr, ROPE: tl.constexpr, HAS_REST: tl.constexpr,
+    KMAX: tl.constexpr, VMAX: tl.constexpr,
+    BNW: tl.constexpr, BL: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+    BH: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+):
+    pid_blk = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    row = pid_bh.to(tl.int64)
+    kbase = b * skb + h * skh
+    vbase = b * svb + h * svh
+    okbase = row * cl * DK
+    ovbase = row * cl * DV
+    opbase = row * cl
+    rbase = row * n
+    first = tl.load(FIRST + row).to(tl.int32)
+    dk = tl.arange(0, BDK)
+    dv = tl.arange(0, BDV)
+    dkm = dk < DK
+    dvm = dv < DV
+
+    if pid_blk < n_wblk:
+        sbase = b * ssb + h * ssh
+        w = pid_blk * BNW + tl.arange(0, BNW)
+        wm = w < nw
+        start = first + w * G  # (BNW,)
+        wrow = row * nw + w
+        fm = tl.load(FM + wrow, mask=wm, other=0)
+        lm = tl.load(LM + wrow, mask=wm, other=0)
+        mat = tl.load(MAT + wrow, mask=wm, other=0).to(tl.int64)
+        if ROPE != 0:
+            dh = tl.arange(0, BH)
+            hm = dh < HALF
+            freq = tl.load(INVF + dh, mask=hm, other=0.0)
+            if HAS_REST:
+                dr = tl.arange(0, BR)
+                rest_m = dr < DK - 2 * HALF
+        # pass 1: number of members, and the score softmax's max and sum over them
+        n_mem = tl.zeros([BNW], dtype=tl.float32)
+        gmax = tl.full([BNW], float("-inf"), dtype=tl.float32)
+        for c0 in range(0, G, BL):
+            jj = c0 + tl.arange(0, BL)
+            m2 = wm[:, None] & (jj < G)[None, :]
+            p = start[:, None] + jj[None, :]
+            r = tl.load(RAW + rbase + p.to(tl.int64), mask=m2, other=1)
+            mem = m2 & (r == 0)
+            n_mem += tl.sum(mem.to(tl.float32), axis=1)
+            if SCORE:
+                s = tl.load(SC + sbase + p.to(tl.int64) * sss, mask=mem, other=float("-inf")).to(tl.float32)
+                s = tl.where(mem, s, float("-inf"))
+                gmax = tl.maximum(gmax, tl.max(s, axis=1), propagate_nan=tl.PropagateNan.ALL)
+        if SCORE:
+            gsum = tl.zeros([BNW], dtype=tl.float32)
+            for c0 in range(0, G, BL):
+                jj = c0 + tl.arange(0, BL)
+                m2 = wm[:, None] & (jj < G)[None, :]
+                p = start[:, None] + jj[None, :]
+                r = tl.load(RAW + rbase + p.to(tl.int64), mask=m2, other=1)
+                mem = m2 & (r == 0)
+                s = tl.load(SC + sbase + p.to(tl.int64) * sss, mask=mem, other=0.0).to(tl.float32)
+                gsum += tl.sum(tl.where(mem, tl.exp(s - gmax[:, None]), 0.0), axis=1)
+        # pass 2: copy the raw slots, accumulate the members
+        acc_v = tl.zeros([BNW, BDV], dtype=tl.float32)
+        if ROPE == 0:
+            acc_k = tl.zeros([BNW, BDK], dtype=tl.float32)
+        else:
+            acc_1 = tl.zeros([BNW, BH], dtype=tl.float32)
+            acc_2 = tl.zeros([BNW, BH], dtype=tl.float32)
+            if HAS_REST:
+                acc_r = tl.zeros([BNW, BR], dtype=tl.float32)
+            if ROPE == 3:
+                acc_p = tl.zeros([BNW], dtype=tl.float32)
+        for c0 in range(0, G, BL):
+            jj = c0 + tl.arange(0, BL)
+            m2 = wm[:, None] & (jj < G)[None, :]
+            p = start[:, None] + jj[None, :]
+            p64 = p.to(tl.int64)
+            r = tl.load(RAW + rbase + p64, mask=m2, other=0)
+            keep = m2 & (r != 0)
+            mem = m2 & (r == 0)
+            # raw slots go to their output index as they are
+            dst = tl.load(OUTI + rbase + p64, mask=keep, other=0).to(tl.int64)
+            km = keep[:, :, None] & dkm[None, None, :]
+            x = tl.load(K + kbase + p64[:, :, None] * sks + dk[None, None, :] * skd, mask=km)
+            tl.store(OK + okbase + dst[:, :, None] * DK + dk[None, None, :], x, mask=km)
+            vm = keep[:, :, None] & dvm[None, None, :]
+            y = tl.load(V + vbase + p64[:, :, None] * svs + dv[None, None, :] * svd, mask=vm)
+            tl.store(OV + ovbase + dst[:, :, None] * DV + dv[None, None, :], y, mask=vm)
+            tl.store(OP + opbase + dst, p64, mask=keep)
+            tl.store(OE + opbase + dst, p64 + 1, mask=keep)
+            # members are merged
+            if SCORE:
+                s = tl.load(SC + sbase + p64 * sss, mask=mem, other=0.0).to(tl.float32)
+                wt = tl.where(mem, tl.exp(s - gmax[:, None]) / gsum[:, None], 0.0)
+            else:
+                wt = tl.where(mem, 1.0 / tl.maximum(n_mem, 1.0)[:, None], 0.0)
+            wt3 = wt[:, :, None]
+            m3 = mem[:, :, None]
+            krow = K + kbase + p64[:, :, None] * sks
+            if ROPE == 0:
+                xk = tl.load(krow + dk[None, None, :] * skd, mask=m3 & dkm[None, None, :], other=0.0)
+                acc_k += tl.sum(wt3 * xk.to(tl.float32), axis=1)
+            else:
+                mh = m3 & hm[None, None, :]
+                x1 = tl.load(krow + dh[None, None, :] * skd, mask=mh, other=0.0).to(tl.float32)
+                x2 = tl.load(krow + (dh + HALF)[None, None, :] * skd, mask=mh, other=0.0).to(tl.float32)
+                ang = jj.to(tl.float32)[None, :, None] * freq[None, None, :]  # slot = position - window start
+                cos = tl.cos(ang)
+                sin = tl.sin(ang)
+                acc_1 += tl.sum(wt3 * (x1 * cos + x2 * sin), axis=1)
+                acc_2 += tl.sum(wt3 * (x2 * cos - x1 * sin), axis=1)
+                if HAS_REST:
+                    xr = tl.load(krow + (2 * HALF + dr)[None, None, :] * skd, mask=m3 & rest_m[None, None, :],
+                                 other=0.0)
+                    acc_r += tl.sum(wt3 * xr.to(tl.float32), axis=1)
+                if ROPE == 3:
+                    acc_p += tl.sum(wt * jj.to(tl.float32)[None, :], axis=1)
+            ym = m3 & dvm[None, None, :]
+            yv = tl.load(V + vbase + p64[:, :, None] * svs + dv[None, None, :] * svd, mask=ym, other=0.0)
+            acc_v += tl.sum(wt3 * yv.to(tl.float32), axis=1)
+
+        okrow = OK + okbase + mat[:, None] * DK
+        if ROPE == 0:
+            out_k = acc_k
+            if KMAX > 0:
+                out_k = tl.clamp(out_k, -KMAX, KMAX, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(okrow + dk[None, :], out_k.to(OK.dtype.element_ty), mask=wm[:, None] & dkm[None, :])
+        else:
+            if ROPE == 1:
+                rep = fm.to(tl.float32)
+            elif ROPE == 2:
+                rep = (fm + lm).to(tl.float32) / 2.0
+            else:
+                rep = acc_p
+            ang = rep[:, None] * freq[None, :]
+            cos = tl.cos(ang)
+            sin = tl.sin(ang)
+            out_1 = acc_1 * cos - acc_2 * sin
+            out_2 = acc_2 * cos + acc_1 * sin
+            if KMAX > 0:
+                out_1 = tl.clamp(out_1, -KMAX, KMAX, propagate_nan=tl.PropagateNan.ALL)
+                out_2 = tl.clamp(out_2, -KMAX, KMAX, propagate_nan=tl.PropagateNan.ALL)
+            mh = wm[:, None] & hm[None, :]
+            tl.store(okrow + dh[None, :], out_1.to(OK.dtype.element_ty), mask=mh)
+            tl.store(okrow + (dh + HALF)[None, :], out_2.to(OK.dtype.element_ty), mask=mh)
+            if HAS_REST:
+                out_r = acc_r
+                if KMAX > 0:
+                    out_r = tl.clamp(out_r, -KMAX, KMAX, propagate_nan=tl.PropagateNan.ALL)
+                tl.store(okrow + (2 * HALF + dr)[None, :], out_r.to(OK.dtype.element_ty),
+                         mask=wm[:, None] & rest_m[None, :])
+        out_v = acc_v
+        if VMAX > 0:
+            out_v = tl.clamp(out_v, -VMAX, VMAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(OV + ovbase + mat[:, None] * DV + dv[None, :], out_v.to(OV.dtype.element_ty),
+                 mask=wm[:, None] & dvm[None, :])
+        tl.store(OP + opbase + mat, (start + fm).to(tl.int64), mask=wm)
+        tl.store(OE + opbase + mat, (start + lm + 1).to(tl.int64), mask=wm)
+    else:
+        r = (pid_blk - n_wblk) * BT + tl.arange(0, BT)
+        rm = r < n_raw
+        src = tl.where(r < first, r, r + nw * G).to(tl.int64)
+        dst = tl.where(r < first, r, r + kept + nw).to(tl.int64)
+        km = rm[:, None] & dkm[None, :]
+        x = tl.load(K + kbase + src[:, None] * sks + dk[None, :] * skd, mask=km)
+        tl.store(OK + okbase + dst[:, None] * DK + dk[None, :], x, mask=km)
+        vm = rm[:, None] & dvm[None, :]
+        y = tl.load(V + vbase + src[:, None] * svs + dv[None, :] * svd, mask=vm)
+        tl.store(OV + ovbase + dst[:, None] * DV + dv[None, :], y, mask=vm)
+        tl.store(OP + opbase + dst, src, mask=rm)
+        tl.store(OE + opbase + dst, src + 1, mask=rm)
+
+
 # ---------------------------------------------------------------------------------------------- host side
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -344,9 +524,10 @@ def unsupported(
     rope: str = "none",
     inv_freq: Optional[torch.Tensor] = None,
     scores: Optional[torch.Tensor] = None,
+    raw: Optional[torch.Tensor] = None,
 ) -> Optional[str]:
     """Why the kernels cannot run this input (a sentence), or ``None`` when they can."""
-    if mode not in ("select", "pool"):
+    if mode not in ("select", "pool", "keep_and_pool"):
         return f"unknown mode {mode!r}"
     if keys.dim() != 4 or values.dim() != 4:
         return f"keys and values must be 4-D (batch, heads, seq_len, head_dim), got {keys.dim()}-D and {values.dim()}-D"
@@ -392,6 +573,11 @@ def unsupported(
                 return f"inv_freq must be a non-empty 1-D float tensor, got shape {tuple(inv_freq.shape)}"
             if 2 * inv_freq.numel() > keys.shape[-1]:
                 return f"rotary dimension {2 * inv_freq.numel()} exceeds the keys' head_dim {keys.shape[-1]}"
+    if mode == "keep_and_pool":
+        if layout.window != layout.stride:
+            return f"keep_and_pool needs window == stride, got window={layout.window}, stride={layout.stride}"
+        if raw is None or tuple(raw.shape) != (batch, heads, seq_len) or raw.device != keys.device:
+            return f"raw must be a ({batch}, {heads}, {seq_len}) mask on {keys.device}"
     if scores is not None:
         if tuple(scores.shape) != (batch, heads, seq_len):
             return f"scores must have shape {(batch, heads, seq_len)}, got {tuple(scores.shape)}"
@@ -545,3 +731,90 @@ def pool_windows(
         num_warps=4,
     )
     return Compressed(out_k, out_v, out_p)
+
+
+def keep_and_pool(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    raw: torch.Tensor,
+    layout: WindowLayout,
+    *,
+    scores: Optional[torch.Tensor] = None,
+    weighting: str = "mean",
+    rope: str = "none",
+    inv_freq: Optional[torch.Tensor] = None,
+) -> Compressed:
+    """Triton version of :func:`.naive.keep_and_pool` (same arguments, same result).
+
+    The host computes the plan from the mask (:func:`.naive.keep_and_pool_plan`: integer tensors of the size of
+    the mask, not of the keys): every raw window token's output index, each window's merged-entry index and
+    its first and last member. One launch then copies the raw tokens, merges every window's members (un-rotated
+    relative to the window start, weighted, re-rotated at the representative position) and writes positions and
+    ends.
+    """
+    check_pool_arguments(weighting, rope, scores, inv_freq)
+    use_scores = weighting == "score"
+    _require(keys, values, layout, mode="keep_and_pool", rope=rope, inv_freq=inv_freq,
+             scores=scores if use_scores else None, raw=raw)
+    if layout.n_windows == 0:
+        b, h, n = keys.shape[:3]
+        pos = torch.arange(n, device=keys.device).expand(b, h, n)
+        return Compressed(keys, values, pos, pos + 1)
+    plan = keep_and_pool_plan(raw, layout)
+    b, h, n, dkk = keys.shape
+    dvv = values.shape[-1]
+    G, nw, kept = layout.stride, layout.n_windows, plan["kept"]
+    cl = n - nw * G + kept + nw
+    out_k = torch.empty((b, h, cl, dkk), dtype=keys.dtype, device=keys.device)
+    out_v = torch.empty((b, h, cl, dvv), dtype=values.dtype, device=values.device)
+    out_p = torch.empty((b, h, cl), dtype=torch.long, device=keys.device)
+    out_e = torch.empty_like(out_p)
+    first = layout.first.to(device=keys.device, dtype=torch.long).contiguous()
+    raw8 = raw.to(torch.int8).contiguous()
+    # output index of every raw window token, laid out like the mask (other entries are never read)
+    out_index = torch.zeros((b, h, n), dtype=torch.int32, device=keys.device)
+    win_pos = layout.window_positions().flatten(2)
+    out_index.scatter_(2, win_pos, plan["slot_out"].flatten(2).to(torch.int32))
+    merged_at = (plan["base"] + plan["first_member"]).to(torch.int32).contiguous()
+    fm = plan["first_member"].to(torch.int32).contiguous()
+    lm = plan["last_member"].to(torch.int32).contiguous()
+
+    code = _ROPE_CODE[rope]
+    if code:
+        freq = inv_freq.to(device=keys.device, dtype=torch.float32).contiguous()
+        half = freq.numel()
+    else:
+        freq = fm  # placeholder pointer, never read
+        half = 0
+    bh_, br = max(16, _pow2(half)), max(16, _pow2(dkk - 2 * half))
+    has_rest = bool(code) and dkk > 2 * half
+    bdk, bdv = max(16, _pow2(dkk)), max(16, _pow2(dvv))
+    sc = scores if use_scores else keys  # placeholder pointer when unused
+    profile = _profile()
+    if profile == "interpreter":
+        bl, bnw = min(_pow2(G), 64), min(_pow2(nw), 32)
+    elif profile == "tiny":
+        bl, bnw = min(_pow2(G), 2), 2
+    else:  # the same tile budget as the pool kernel
+        bl = min(_pow2(G), 16, max(1, 1024 // max(bdk, bdv)))
+        if code:
+            bl = min(bl, max(1, 256 // bh_), max(1, 256 // br) if has_rest else bl)
+        limit = 1024 // (bl * max(bdk, bdv))
+        if code:
+            limit = min(limit, 256 // (bl * bh_), 256 // (bl * br) if has_rest else limit)
+        bnw = max(1, min(32, limit))
+    n_raw = n - nw * G
+    bt = _raw_block(n_raw, max(bdk, bdv), profile)
+    n_wblk = triton.cdiv(nw, bnw)
+    grid = (n_wblk + triton.cdiv(n_raw, bt), b * h)
+    _keep_pool_kernel[grid](
+        keys, values, sc, raw8, out_index, first, merged_at, fm, lm, freq, out_k, out_v, out_p, out_e,
+        h, n, cl, nw, G, n_raw, n_wblk, kept, half,
+        *keys.stride(), *values.stride(), *sc.stride()[:3],
+        dkk, dvv,
+        SCORE=use_scores, ROPE=code, HAS_REST=has_rest,
+        KMAX=_fmax(keys.dtype), VMAX=_fmax(values.dtype),
+        BNW=bnw, BL=bl, BDK=bdk, BDV=bdv, BH=bh_, BR=br, BT=bt,
+        num_warps=4,
+    )
+    return Compressed(out_k, out_v, out_p, out_e)

@@ -50,7 +50,13 @@ from typing import Callable, Iterable
 
 from kvpress_phase.phase import phase_of
 
-from ..prompting import context_prefix_length, context_token_ids, question_token_ids
+from ..prompting import (
+    check_tokenizer,
+    context_prefix_length,
+    context_token_ids,
+    question_token_ids,
+    require_fast_tokenizer,
+)
 from . import niah, passages, qa, vt
 from .base import (
     EVAL_SEED_LIMIT,
@@ -214,7 +220,9 @@ def generate(
     task_name : str
         A name of :data:`TASKS`.
     tokenizer : transformers fast tokenizer
-        The tokenizer the model uses (positions and lengths are counted with it).
+        The tokenizer the model uses (positions and lengths are counted with it). It must be fast (positions
+        come from its offsets mapping) and have a BOS token or a chat template (kvpress's pipeline needs one);
+        ValueError otherwise, before anything is generated.
     n_samples : int
         Base examples; each is placed at every phase, so the set has ``n_samples * len(phases)`` rows.
     context_length : int
@@ -253,6 +261,7 @@ def generate(
         raise ValueError(f"offset must be an integer in [0, stride={stride}), got {offset!r}")
     if not _is_int(seed) or not 0 <= seed < EVAL_SEED_LIMIT:
         raise ValueError(f"seed must be an integer in [0, {EVAL_SEED_LIMIT}) for evaluation sets, got {seed!r}")
+    check_tokenizer(tokenizer)
 
     rows = []
     for index in range(n_samples):
@@ -301,10 +310,12 @@ def training_example(
     ``input_ids`` = prefill context ids (as the pipeline builds them) + question ids (``question``, the
     pipeline's suffix, ``answer_prefix``) + answer ids + EOS. ``rng_or_seed`` is a ``random.Random`` (drawn
     from), a ``numpy.random.Generator`` (drawn from), or an int seed of the ``"train"`` domain, disjoint from
-    every evaluation seed. The answer sits at whatever phase the draw gives.
+    every evaluation seed. The answer sits at whatever phase the draw gives. ``tokenizer`` must be a fast
+    tokenizer (ValueError otherwise).
     """
     spec = get_task(task_name)
     options = _resolve_options(spec, task_options)
+    require_fast_tokenizer(tokenizer)
     if not _is_int(context_length) or context_length < 1:
         raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
     if isinstance(rng_or_seed, random.Random):

@@ -7,11 +7,22 @@ where the phase-defining answer value sits inside it, and the question. The code
 1. appends a *trailing zone* of haystack words after the last block and sizes it so that the prefill sequence
    (as kvpress's pipeline builds it, BOS included) has exactly the requested number of tokens;
 2. places the example at each requested phase: under the ``"prefix"`` protocol by inserting filler words
-   right before the answer-bearing block's text, after its separator (and trimming the trailing zone by as
-   many tokens; the trailing zone is cut word by word, punctuation apart), under the
-   ``"offset"`` protocol by leaving the text alone and reporting the window offset that puts the answer at
-   the phase;
+   right before the answer-bearing block (and trimming the trailing zone by as many tokens; the trailing
+   zone is cut word by word, punctuation apart), under the ``"offset"`` protocol by leaving the text alone
+   and reporting the window offset that puts the answer at the phase;
 3. checks every position by re-tokenising the prefill text, so it works with any fast tokenizer.
+
+Where the filler goes
+---------------------
+The answer-bearing block must be the same tokens at every phase, or one phase would see a different answer
+token than the others. Filler words go right after the block's separator (``"...end.\nw1 w2 Paragraph 3:"``)
+when that leaves the block's tokens unchanged, as with a word-level tokenizer. A byte-level BPE folds the
+space before a word into the word's token (``"ĠParagraph"`` after a space, ``"Paragraph"`` after a newline),
+so when the filler would change the block's tokens it goes before the separator instead
+(``"...end. w1 w2\nParagraph 3:"``) and the block is always written after its own separator, even when it
+opens the context. The choice is made once per example from its unpadded text, so every phase of an example
+uses the same layout, and :meth:`Assembler.at_phase` checks that the answer's tokens are those of the
+unpadded text.
 
 Seeds
 -----
@@ -232,6 +243,12 @@ class Placed:
     n_tokens: int
     needle_span: tuple[int, int]
     answer_span: tuple[int, int]
+    token_ids: tuple = field(default=(), repr=False, compare=False)
+    """The prefill token ids (filled in by :meth:`Assembler.measure`)."""
+
+    def tokens(self, span: tuple[int, int]) -> tuple:
+        """The token ids of a ``(start, end)`` span of the prefill sequence."""
+        return tuple(self.token_ids[span[0] : span[1]])
 
 
 class Assembler:
@@ -246,6 +263,8 @@ class Assembler:
         self.pad_words = pad_words
         self._counts: dict[str, int] = {}
         self._base: Optional[Placed] = None
+        self.filler_before_separator = False
+        """Where prefix filler goes: after the target block's separator (False) or before it (True)."""
 
     # ---- text
     def _tail_units(self, n: int) -> list[tuple[str, str]]:
@@ -260,9 +279,9 @@ class Assembler:
         parts: list[str] = []
         pos = 0
 
-        def put(sep: str, text: str) -> int:
+        def put(sep: str, text: str, keep_sep: bool = False) -> int:
             nonlocal pos
-            if parts:
+            if parts or keep_sep:
                 parts.append(sep)
                 pos += len(sep)
             start = pos
@@ -273,11 +292,17 @@ class Assembler:
         needle = answer = None
         for i, block in enumerate(self.draft.blocks):
             if i == self.draft.target:
-                sep = block.sep
-                for w in self.pad_words[:n_pad]:
-                    put(sep, w)
-                    sep = " "
-                start = put(sep, block.text)
+                if self.filler_before_separator:
+                    # filler ends the previous text; the block keeps its separator (also at the context start)
+                    for w in self.pad_words[:n_pad]:
+                        put(" ", w)
+                    start = put(block.sep, block.text, keep_sep=True)
+                else:
+                    sep = block.sep
+                    for w in self.pad_words[:n_pad]:
+                        put(sep, w)
+                        sep = " "
+                    start = put(sep, block.text)
                 needle = (start, start + len(block.text))
                 answer = (start + block.answer[0], start + block.answer[1])
             else:
@@ -295,6 +320,7 @@ class Assembler:
             n_tokens=len(ids),
             needle_span=offsets_to_token_span(offsets, start + needle[0], start + needle[1]),
             answer_span=offsets_to_token_span(offsets, start + answer[0], start + answer[1]),
+            token_ids=tuple(ids),
         )
 
     def _count(self, text: str) -> int:
@@ -347,15 +373,36 @@ class Assembler:
                 n_fill += 1
         return best
 
+    def choose_filler_layout(self) -> None:
+        """Decide where prefix filler goes for this example (see "Where the filler goes" in the module docstring).
+
+        Filler goes after the target block's separator unless one filler word there changes the block's tokens;
+        then it goes before the separator. Called once, before any padded placement.
+        """
+        self.filler_before_separator = False
+        bare, padded = self.measure(0, 0), self.measure(1, 0)
+        self.filler_before_separator = bare.tokens(bare.needle_span) != padded.tokens(padded.needle_span)
+
     def at_phase(self, phase: int, stride: int, offset: int) -> tuple[Placed, int]:
-        """Prefix padding that puts the first answer token at ``phase``; returns the placement and pad count."""
+        """Prefix padding that puts the first answer token at ``phase``; returns the placement and pad count.
+
+        Raises RuntimeError when no padding lands on the phase, or when the padding changes the answer's tokens
+        (a tokenizer for which neither filler layout keeps them).
+        """
         if self._base is None:
+            self.choose_filler_layout()
             self._base = self.fit(0)
         n_pad = (phase - phase_of(self._base.answer_span[0], stride, offset)) % stride
         for _ in range(4 * stride):
             placed = self.fit(n_pad)
             shift = (phase - phase_of(placed.answer_span[0], stride, offset)) % stride
             if shift == 0:
+                if placed.tokens(placed.answer_span) != self._base.tokens(self._base.answer_span):
+                    raise RuntimeError(
+                        f"filler before the needle changes the answer's tokens with this tokenizer (phase {phase}, "
+                        f"{n_pad} filler words), so the phases would not see the same answer token; use the "
+                        f"'offset' protocol, which keeps the text fixed"
+                    )
                 return placed, n_pad
             n_pad += shift
             if n_pad > len(self.pad_words):

@@ -14,7 +14,9 @@ For every row
    whitespace, or the previous newline) to the end of the answer;
 3. ``"prefix"`` protocol: single-token filler words are inserted right before the needle until the first
    answer token lands on the phase (every candidate is re-tokenised, as token counts vary with BPE), then the
-   context is cut at its end by as many tokens;
+   context is cut at its end by as many tokens. When filler there would change the needle's tokens (a
+   byte-level BPE reads a line-initial "Paragraph" and one after a space as different tokens), the filler
+   goes before the whitespace that precedes the needle instead, so every phase sees the same needle tokens;
    ``"offset"`` protocol: the text is kept and ``offset = (answer_token_start - phase) mod stride``.
 
 Length policy (prefix protocol)
@@ -41,7 +43,7 @@ from typing import Iterable, Optional, Sequence
 
 from kvpress_phase.phase import phase_of
 
-from ..prompting import encode_with_offsets, offsets_to_token_span
+from ..prompting import check_tokenizer, encode_with_offsets, offsets_to_token_span
 from .base import EVAL_SEED_LIMIT, Placed, derive_seed, phase_columns, single_token_words
 from .vocab import PAD_WORDS
 
@@ -155,6 +157,7 @@ def _measure(tokenizer, context: str, needle: tuple[int, int], answer: tuple[int
         n_tokens=len(ids),
         needle_span=offsets_to_token_span(offsets, start + needle[0], start + needle[1]),
         answer_span=offsets_to_token_span(offsets, start + answer[0], start + answer[1]),
+        token_ids=tuple(ids),
     )
 
 
@@ -184,6 +187,29 @@ class _Row:
         self.answer = answer
         self.words = words
         self.base = _measure(tokenizer, context, needle, answer)
+        self.space_start = needle[0]
+        while self.space_start > 0 and context[self.space_start - 1].isspace():
+            self.space_start -= 1
+        self.filler_before_space = False
+        if self.space_start < needle[0] and words:
+            at, pad = self._filler(1)
+            one = _measure(tokenizer, context[:at] + pad + context[at:], *self._shifted(len(pad)))
+            self.filler_before_space = one.tokens(one.needle_span) != self.base.tokens(self.base.needle_span)
+
+    def _filler(self, n_pad: int) -> tuple[int, str]:
+        """Where ``n_pad`` filler words go in the source context, and their text.
+
+        Right before the needle (``"...\\nw1 w2 Needle"``), or, when that changes the needle's tokens, before
+        the whitespace preceding it (``"... w1 w2\\nNeedle"``).
+        """
+        words = self.words[:n_pad]
+        if self.filler_before_space:
+            return self.space_start, ("" if self.space_start == 0 else " ") + " ".join(words)
+        return self.needle[0], "".join(w + " " for w in words)
+
+    def _shifted(self, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The needle and answer spans once ``k`` characters are inserted before them."""
+        return (self.needle[0] + k, self.needle[1] + k), (self.answer[0] + k, self.answer[1] + k)
 
     def padded(self, n_pad: int) -> Placed:
         """``n_pad`` filler words before the needle, the end cut back to the original length (module docstring)."""
@@ -191,12 +217,9 @@ class _Row:
             return self.base
         if n_pad > len(self.words):
             raise RuntimeError("not enough filler words")
-        pad = "".join(w + " " for w in self.words[:n_pad])
-        s = self.needle[0]
+        s, pad = self._filler(n_pad)
         text = self.context[:s] + pad + self.context[s:]
-        k = len(pad)
-        needle = (self.needle[0] + k, self.needle[1] + k)
-        answer = (self.answer[0] + k, self.answer[1] + k)
+        needle, answer = self._shifted(len(pad))
         target = self.base.n_tokens
         keep = needle[1]
         for _ in range(16):
@@ -254,7 +277,8 @@ def replace_needles(
     dataset : datasets.Dataset (or a list of row dicts)
         Rows with the columns of :data:`KVPRESS_COLUMNS`; ``answer`` is a list of strings (or one string).
     tokenizer : transformers fast tokenizer
-        The model's tokenizer (positions are prefill positions, BOS or chat-template opening included).
+        The model's tokenizer (positions are prefill positions, BOS or chat-template opening included); it
+        must be fast and have a BOS token or a chat template (ValueError otherwise, as for ``generate``).
     stride, phases, protocol, offset
         As in :func:`~kvpress_phase.evaluation.tasks.generate`.
     filler_words : sequence of str, optional
@@ -291,6 +315,7 @@ def replace_needles(
     missing = [c for c in KVPRESS_COLUMNS if c not in columns]
     if missing:
         raise ValueError(f"the dataset lacks kvpress's evaluation column(s) {missing}; it has {columns}")
+    check_tokenizer(tokenizer)
     unknown = [tokenizer.unk_token_id] if tokenizer.unk_token_id is not None else None
     words = [
         w

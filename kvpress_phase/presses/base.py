@@ -16,7 +16,7 @@ from kvpress import BasePress, KnormPress, ScorerPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
-from kvpress_phase.kernels import ROPE_MODES, WEIGHTINGS, BACKENDS, pool_windows, select_windows
+from kvpress_phase.kernels import BACKENDS, ROPE_MODES, WEIGHTINGS, Compressed, pool_windows, select_windows
 from kvpress_phase.phase import WindowLayout, group_bounds, kept_per_window
 from kvpress_phase.presses import decoding as _decoding
 from kvpress_phase.rope import rotary_inv_freq
@@ -194,25 +194,22 @@ class WindowedPress(BasePress):
             self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
             return keys, values
 
-        if self.mode == "select":
-            out = select_windows(keys, values, scores, layout, backend=self.backend)
-        else:
-            inv_freq = rotary_inv_freq(module) if self.needs_rope else None
-            out = pool_windows(
-                keys,
-                values,
-                layout,
-                scores=scores,
-                weighting=self.weighting,
-                rope=self.rope,
-                inv_freq=inv_freq,
-                backend=self.backend,
-            )
+        out = self.compress_windows(module, keys, values, scores, layout)
+        ends = out.ends if out.ends is not None else self._entry_ends(layout, out.positions)
         self.stats[layer_idx] = LayerStats(
             seq_len, layout.compressed_length, layout.achieved_ratio, layout, out.positions.to(torch.int32),
-            self._entry_ends(layout, out.positions).to(torch.int32),
+            ends.to(torch.int32),
         )
         return out.keys, out.values
+
+    def compress_windows(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor,
+                         scores: Optional[torch.Tensor], layout: WindowLayout) -> Compressed:
+        """The kernel call: every window of ``layout`` becomes its ``k`` entries."""
+        if self.mode == "select":
+            return select_windows(keys, values, scores, layout, backend=self.backend)
+        inv_freq = rotary_inv_freq(module) if self.needs_rope else None
+        return pool_windows(keys, values, layout, scores=scores, weighting=self.weighting, rope=self.rope,
+                            inv_freq=inv_freq, backend=self.backend)
 
     def forward_hook(self, module: nn.Module, input, kwargs: dict, output):
         if self.decoding and not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):

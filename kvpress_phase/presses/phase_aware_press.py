@@ -6,13 +6,20 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kvpress_phase.phase import kept_per_window, merge_period
-from kvpress_phase.presses.base import WindowedPress, _check_choice
+from kvpress_phase.kernels import Compressed, keep_and_pool
+from kvpress_phase.phase import WindowLayout, kept_per_window, merge_period
+from kvpress_phase.presses.base import WindowedPress, _check_choice, _check_int
+from kvpress_phase.rope import rotary_inv_freq
 
 STAGGERS = ("none", "head", "layer", "head_layer")
 SPREADS = ("period", "stride")
+BUDGETS = ("window", "window_topk", "row")
+ROW_POOL_WINDOWS = 4
+"""Under ``budget="row"`` the leftover tokens are pooled over ``ROW_POOL_WINDOWS`` consecutive windows by default
+(chosen on the dev split, see ``docs/preregistration-phase-aware.md``)."""
 
 
 @dataclass
@@ -67,6 +74,12 @@ class PhaseAwarePress(WindowedPress):
     spread: str = "period"
     overlap: Optional[bool] = False
     align: bool = True
+    budget: str = "window"
+    span: int = 0
+    span_pool: str = "max"
+    share_heads: bool = False
+    residual: str = "pool"
+    pool_window: Optional[int] = None
     n_layers: Optional[int] = field(default=None, init=False, repr=False, compare=False)  # from the model
 
     @property
@@ -80,6 +93,17 @@ class PhaseAwarePress(WindowedPress):
         return 2 * self.stride if self.overlapping else self.stride
 
     def validate(self) -> None:
+        _check_choice("budget", self.budget, BUDGETS)
+        _check_int("span", self.span, 0)
+        _check_choice("span_pool", self.span_pool, ("max", "mean"))
+        _check_choice("residual", self.residual, ("pool", "drop"))
+        if self.pool_window is not None:
+            _check_int("pool_window", self.pool_window, self.stride)
+        if not isinstance(self.share_heads, bool):
+            raise ValueError(f"share_heads must be True or False, got {self.share_heads!r}")
+        if self.budget != "window" and (self.mode != "pool" or self.overlap):
+            raise ValueError(f"budget={self.budget!r} needs mode='pool' and overlap=False: it keeps the best tokens "
+                             "raw and pools the others")
         _check_choice("stagger", self.stagger, STAGGERS)
         _check_choice("spread", self.spread, SPREADS)
         if self.overlap is not None and not isinstance(self.overlap, bool):
@@ -99,7 +123,81 @@ class PhaseAwarePress(WindowedPress):
 
     @property
     def needs_scores_for_grid(self) -> bool:
-        return self.align
+        return self.align and self.budget != "row"
+
+    @property
+    def needs_scores(self) -> bool:
+        return super().needs_scores or self.budget != "window"
+
+    # ------------------------------------------------------------------ content-adaptive budget
+    def raw_tokens(self, scores: torch.Tensor, layout: WindowLayout, n_raw: int, cap: bool) -> torch.Tensor:
+        """``(batch, heads, seq_len)`` bool: the ``n_raw`` window tokens of ``layout`` that stay raw, chosen across
+        the whole row by score (``budget="row"``); tokens outside the windows are always raw.
+
+        Scores are first averaged over the KV heads (``share_heads``: every head keeps the same tokens) and
+        dilated by a running maximum (or mean, ``span_pool``) over ``2 * span + 1`` tokens (``span``), so that the
+        neighbours of a high-scoring token stay with it; ties left by the dilation go to the higher original score.
+        With ``cap``, each window's lowest-scoring token is never chosen, so every window keeps a token to pool.
+        """
+        s = scores.float()
+        if self.share_heads:
+            s = s.mean(dim=1, keepdim=True).expand_as(s)
+        B, H, n = s.shape
+        win_pos = layout.window_positions().clamp(max=n - 1)  # (B, H, nw, W)
+        original = s.gather(2, win_pos.flatten(2)).view(win_pos.shape)
+        if self.span > 0:
+            pool = F.max_pool1d if self.span_pool == "max" else F.avg_pool1d
+            dilated = pool(s.reshape(B * H, 1, n), 2 * self.span + 1, stride=1, padding=self.span)
+            key = dilated.view(B, H, n).gather(2, win_pos.flatten(2)).view(win_pos.shape)
+        else:
+            key = original
+        if cap:
+            key = key.scatter(-1, original.argmin(dim=-1, keepdim=True), float("-inf"))
+        if self.budget == "window_topk":  # the same number of raw tokens in every window
+            top = key.argsort(dim=-1, descending=True, stable=True)[..., : n_raw // max(layout.n_windows, 1)]
+            keep = torch.zeros_like(key, dtype=torch.bool).scatter_(-1, top, True)
+            raw = torch.ones(B, H, n, dtype=torch.bool, device=s.device)
+            return raw.scatter_(2, win_pos.flatten(2), keep.flatten(2))
+        flat_key, flat_orig = key.flatten(2), original.flatten(2)
+        if self.span > 0:  # by dilated score, ties to the higher original score
+            order = flat_orig.argsort(dim=-1, descending=True, stable=True)
+            order = order.gather(-1, flat_key.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+        else:
+            order = flat_key.argsort(dim=-1, descending=True, stable=True)
+        keep = torch.zeros_like(flat_key, dtype=torch.bool).scatter_(-1, order[..., :n_raw], True)
+        raw = torch.ones(B, H, n, dtype=torch.bool, device=s.device)
+        return raw.scatter_(2, win_pos.flatten(2), keep)
+
+    def pool_layout(self, layout: WindowLayout) -> tuple[WindowLayout, int]:
+        """The windows whose leftover tokens are pooled under ``budget="row"``, and how many raw tokens they keep.
+
+        The pooling windows are ``pool_window`` tokens long (``stride`` by default) on the press's grid; the raw
+        budget is what is left of ``layout.compressed_length`` (``ChunkedStridePress``'s cache length) after the
+        tokens outside the pooling windows and one pooled entry per pooling window.
+        """
+        size = self.pool_window or ROW_POOL_WINDOWS * self.stride
+        if size == layout.stride or self.budget == "window_topk":
+            return layout, layout.n_windows * (layout.k - 1)
+        coarse = WindowLayout.build(layout.seq_len, window=size, stride=size, k=1, offsets=layout.offsets,
+                                    n_sink=layout.n_sink, n_local=layout.n_local, batch=layout.batch,
+                                    heads=layout.heads, device=layout.first.device)
+        n_raw = layout.compressed_length - (layout.seq_len - coarse.n_windows * size) - coarse.n_windows
+        if coarse.n_windows == 0 or not 0 <= n_raw <= coarse.n_windows * (size - 1):
+            return layout, layout.n_windows * (layout.k - 1)  # too short for the coarse windows
+        return coarse, n_raw
+
+    def compress_windows(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor,
+                         scores: Optional[torch.Tensor], layout: WindowLayout) -> Compressed:
+        if self.budget == "window":
+            return super().compress_windows(module, keys, values, scores, layout)
+        if self.residual == "drop":
+            raw = self.raw_tokens(scores, layout, layout.n_windows * layout.k, cap=False)
+            return _keep_only(keys, values, raw, layout)
+        pool_layout, n_raw = self.pool_layout(layout)
+        raw = self.raw_tokens(scores, pool_layout, n_raw, cap=True)
+        inv_freq = rotary_inv_freq(module) if self.needs_rope else None
+        return keep_and_pool(keys, values, raw, pool_layout, scores=scores, weighting=self.weighting, rope=self.rope,
+                             inv_freq=inv_freq, backend=self.backend)
 
     def post_init_from_model(self, model):
         super().post_init_from_model(model)
@@ -143,6 +241,8 @@ class PhaseAwarePress(WindowedPress):
     def grid_offsets(
         self, module: nn.Module, scores: Optional[torch.Tensor], batch: int, heads: int, seq_len: int
     ) -> Union[int, torch.Tensor]:
+        if self.budget == "row":  # the content picks the raw tokens; the pooling windows stay on the plain grid
+            return self.offset
         layer_idx = getattr(module, "layer_idx", 0)
         n_layers = self.n_layers or getattr(getattr(module, "config", None), "num_hidden_layers", None) or self.stride
         device = scores.device if scores is not None else None
@@ -151,3 +251,11 @@ class PhaseAwarePress(WindowedPress):
         if self.align:
             base = self.aligned_offsets(scores)[:, None]
         return base + shifts[None, :]
+
+
+def _keep_only(keys: torch.Tensor, values: torch.Tensor, raw: torch.Tensor, layout: WindowLayout) -> Compressed:
+    """The tokens ``raw`` marks, in order (``residual="drop"``: no pooled entries, the budget goes to raw tokens)."""
+    idx = torch.argsort((~raw).to(torch.int8), dim=-1, stable=True)[..., : layout.compressed_length]
+    d = keys.shape[-1]
+    take = idx[..., None].expand(-1, -1, -1, d)
+    return Compressed(keys.gather(2, take), values.gather(2, take), idx, idx + 1)

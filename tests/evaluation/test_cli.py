@@ -40,7 +40,8 @@ def test_eval_writes_summary_plots_and_report(model_dir, tmp_path, capsys):
     assert {r["press"] for r in summary} == {"no_press", "chunked_stride", "knorm"}
     for record in summary:
         for key in ("task", "press", "compression_ratio", "stride", "protocol", "mean", "per_phase", "per_phase_ci",
-                    "gap", "gap_ci_low", "gap_ci_high", "boundary", "p_value", "n_samples"):
+                    "gap", "gap_xfit", "gap_xfit_ci_low", "gap_xfit_ci_high", "boundary", "p_value", "cochran_p",
+                    "detectable_gap", "n_samples"):
             assert key in record
         assert len(record["per_phase"]) == 4 and record["n_samples"] == 2
     assert (out / "report.md").exists() and (out / "results.csv").exists()
@@ -90,3 +91,28 @@ def test_other_configuration_in_the_same_output_dir(model_dir, tmp_path, capsys)
     assert cli.main(base + ["--samples", "1"]) == 0
     assert cli.main(base + ["--samples", "2"]) == 2
     assert "different configuration" in capsys.readouterr().err
+
+
+def test_slow_tokenizer_exits_2_before_the_model_is_loaded(tmp_path, capsys):
+    from transformers import ByT5Tokenizer
+
+    folder = tmp_path / "slow"
+    ByT5Tokenizer().save_pretrained(folder)  # a tokenizer without offsets mapping, and no model weights at all
+    assert cli.main(["eval", "--model", str(folder), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("kvpress-phase: error:") and "a fast tokenizer is required" in err
+
+
+def test_tokenizer_without_bos_or_chat_template_exits_2(tmp_path, capsys):
+    from transformers import PreTrainedTokenizerFast
+
+    word = build_tokenizer()
+    no_bos = PreTrainedTokenizerFast(tokenizer_object=word.backend_tokenizer, eos_token=word.eos_token,
+                                     pad_token=word.pad_token, unk_token=word.unk_token)
+    folder = tmp_path / "no-bos"
+    save_tokenizer(no_bos, str(folder))
+    assert cli.main(["eval", "--model", str(folder), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "neither a BOS token nor a chat template" in err and "cannot be loaded" not in err

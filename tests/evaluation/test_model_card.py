@@ -9,8 +9,9 @@ from kvpress_phase.evaluation.tasks import TASKS
 
 def fake_measurements(value: float, gap_ci=(0.0, 0.0), n_gap=200):
     table = {(t, n): {"mean": value} for t in TASKS for n in (1024, 2048)}
-    gap = {"n_samples": n_gap, "per_phase": [value] * 8, "gap": 0.0, "gap_ci_low": gap_ci[0],
-           "gap_ci_high": gap_ci[1], "boundary": value, "p_value": 1.0}
+    gap = {"n_samples": n_gap, "per_phase": [value] * 8, "gap": 0.0, "gap_xfit": sum(gap_ci) / 2,
+           "gap_xfit_ci_low": gap_ci[0], "gap_xfit_ci_high": gap_ci[1], "boundary": value,
+           "p_value": 1.0 if gap_ci[0] <= 0 else 0.001, "detectable_gap": 0.15}
     return table, gap
 
 

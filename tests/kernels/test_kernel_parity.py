@@ -255,6 +255,54 @@ def test_no_window_passes_through():
     _assert_same(got, kernels.select_windows(keys, values, scores, layout, backend="torch"), F32, exact=True)
 
 
+# ---------------------------------------------------------------------------------------------- keep and pool
+def _raw_mask(layout, n_keep, seed):
+    """A mask that keeps ``n_keep`` window tokens per row (at most ``stride - 1`` per window), at random."""
+    g = torch.Generator().manual_seed(seed)
+    pos = layout.window_positions().cpu()  # (B, H, nw, S)
+    key = torch.rand(pos.shape, generator=g)
+    key.scatter_(-1, torch.randint(0, layout.stride, pos.shape[:-1] + (1,), generator=g), -1.0)  # one pooled
+    top = key.flatten(2).topk(n_keep, dim=-1).indices
+    keep = torch.zeros(key.flatten(2).shape, dtype=torch.bool).scatter_(-1, top, True)
+    raw = torch.ones(layout.batch, layout.heads, layout.seq_len, dtype=torch.bool)
+    return raw.scatter_(2, pos.flatten(2), keep).to(DEVICE)
+
+
+# (dtype, head_dim, pool window, offsets, batch, heads, seq, n_sink, n_local, kept share, weighting, rope, rotary)
+KEEP_POOL_CASES = [
+    (F32, 64, 8, 0, 1, 2, 70, 2, 4, 0.5, "mean", "start", 64),
+    (BF16, 128, 32, 3, 2, 1, 150, 4, 16, 0.6, "mean", "start", 128),
+    (F16, 80, 16, "staggered", 1, 3, 131, 2, 5, 0.3, "score", "centroid", 64),
+    (F32, 96, 12, [1, 6], 2, 2, 97, 3, 2, 0.0, "mean", "center", 96),  # nothing kept: one entry per window
+    (F32, 64, 8, 2, 1, 2, 80, 1, 1, 0.8, "score", "none", 0),
+    (BF16, 64, 4, "staggered", 2, 2, 45, 1, 1, 0.5, "mean", "start", 32),  # partial rotary
+]
+
+
+@pytest.mark.parametrize("dtype,dim,size,offsets,batch,heads,seq,n_sink,n_local,share,weighting,rope,rotary_dim",
+                         KEEP_POOL_CASES)
+def test_keep_and_pool_parity(dtype, dim, size, offsets, batch, heads, seq, n_sink, n_local, share, weighting, rope,
+                              rotary_dim, tiles):
+    keys, values, scores = _inputs(batch, heads, seq, dim, dtype, seed=seq + size)
+    layout = _layout(seq, size, size, 1, offsets, batch, heads, n_sink, n_local)
+    assert layout.n_windows > 0
+    raw = _raw_mask(layout, int(share * layout.n_windows * (size - 1)), seed=seq)
+    inv_freq = _inv_freq(rotary_dim).to(DEVICE) if rotary_dim else None
+    kw = dict(scores=3 * scores, weighting=weighting, rope=rope, inv_freq=inv_freq)
+    got = kernels.keep_and_pool(keys, values, raw, layout, backend="triton", **kw)
+    ref = kernels.keep_and_pool(keys, values, raw, layout, backend="torch", **kw)
+    _assert_same(got, ref, dtype, rope)
+    assert torch.equal(got.ends.cpu(), ref.ends.cpu())
+
+
+def test_keep_and_pool_refuses_a_mask_without_a_member():
+    keys, values, _ = _inputs(1, 1, 40, 64, F32)
+    layout = _layout(40, 8, 8, 1, 0, 1, 1, 0, 0)
+    raw = torch.ones(1, 1, 40, dtype=torch.bool, device=DEVICE)  # every window token raw: nothing to pool
+    with pytest.raises(ValueError, match="at least one token to pool"):
+        kernels.keep_and_pool(keys, values, raw, layout, backend="triton")
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_random_configurations(seed, monkeypatch):
     """Random draws over every axis at once, with the GPU tile sizes, the smallest ones or the interpreter's."""

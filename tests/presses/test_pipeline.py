@@ -10,12 +10,15 @@ from transformers import DynamicCache, pipeline
 from tiny_models import FAMILIES, tiny_model
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress
 from kvpress_phase.phase import compressed_length
+from kvpress_phase.presses.scorers import SnapKVScorer
 
 PRESSES = {
     "chunked_select": lambda r: ChunkedStridePress(r, mode="select"),
     "chunked_pool": lambda r: ChunkedStridePress(r, mode="pool"),
     "phase_aware_select": lambda r: PhaseAwarePress(r, mode="select"),
     "phase_aware_pool": lambda r: PhaseAwarePress(r, mode="pool"),
+    "phase_aware_row": lambda r: PhaseAwarePress(r, budget="row", scorer=SnapKVScorer(window_size=16),
+                                                 share_heads=True),
 }
 CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))
 

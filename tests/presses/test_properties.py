@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpress import KnormPress
 
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress
 from kvpress_phase.phase import compressed_length, group_bounds, kept_per_window, merge_period, phase_of
@@ -200,3 +201,101 @@ def test_alignment_avoids_cutting_a_high_scoring_span():
     offset = int(press.aligned_offsets(scores)[0])
     boundaries = {b for b in range(1, 64) if phase_of(b, 8, offset) == 0}
     assert not boundaries & set(range(22, 27))
+
+
+# ---------------------------------------------------------------------------------------------- content budget
+row_layouts = st.fixed_dictionaries(
+    {
+        "stride": st.integers(2, 16),
+        "pool_windows": st.integers(1, 5),
+        "offset": st.integers(0, 40),
+        "n_sink": st.integers(0, 6),
+        "n_local": st.integers(0, 20),
+        "compression_ratio": st.floats(0.01, 0.95),
+        "seq_len": st.integers(1, 200),
+        "heads": st.integers(1, 4),
+        "batch": st.integers(1, 2),
+    }
+)
+
+
+def _row_press(p, **kw):
+    kw.setdefault("pool_window", p["stride"] * p["pool_windows"])
+    return PhaseAwarePress(p["compression_ratio"], stride=p["stride"], offset=p["offset"], n_sink=p["n_sink"],
+                           n_local=p["n_local"], budget="row", **kw)
+
+
+@given(p=row_layouts, residual=st.sampled_from(["pool", "drop"]), share=st.booleans(),
+       rope=st.sampled_from(["none", "start", "centroid"]))
+def test_row_budget_keeps_exactly_chunked_strides_cache_length(p, residual, share, rope):
+    keys, values = _kv(p)
+    press = _row_press(p, residual=residual, share_heads=share, rope=rope)
+    out_k, out_v = press.compress(FakeAttention(), None, keys, values, None, {})
+    expected = compressed_length(p["seq_len"], p["stride"], p["compression_ratio"], p["n_sink"], p["n_local"])
+    assert out_k.shape == out_v.shape == (p["batch"], p["heads"], expected, HEAD_DIM)
+    stats = press.stats[0]
+    if stats.positions is not None:
+        starts, ends = stats.positions.long(), stats.ends.long()
+        assert bool((starts[..., 1:] > starts[..., :-1]).all())  # entries stay in position order
+        assert bool((ends > starts).all()) and int(ends.max()) <= p["seq_len"]
+
+
+@given(p=row_layouts, share=st.booleans())
+def test_row_budget_keeps_the_best_tokens_untouched(p, share):
+    """Entries that cover one token are that token (bit for bit when kept raw; a pooled window left with a single
+    member is un-rotated and re-rotated, so up to rounding); with share_heads every head keeps the same ones; the
+    protected first and last tokens are always among them."""
+    keys, values = _kv(p)
+    press = _row_press(p, share_heads=share, rope="start")
+    out_k, out_v = press.compress(FakeAttention(), None, keys, values, None, {})
+    stats = press.stats[0]
+    if stats.positions is None:
+        return
+    starts, ends = stats.positions.long(), stats.ends.long()
+    single = ends == starts + 1
+    idx = starts.clamp(max=p["seq_len"] - 1)[..., None].expand(-1, -1, -1, HEAD_DIM)
+    torch.testing.assert_close(out_k[single], keys.gather(2, idx)[single], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out_v[single], values.gather(2, idx)[single])
+    kept = {int(t) for t in starts[0, 0][single[0, 0]]}
+    protected = set(range(p["n_sink"])) | set(range(p["seq_len"] - p["n_local"], p["seq_len"]))
+    assert protected <= kept
+    if share:
+        assert bool((starts == starts[:, :1]).all())
+
+
+def test_row_budget_follows_the_scores_not_the_grid():
+    """A high-scoring span is kept raw wherever it falls relative to the windows: moving the grid moves only the
+    pooled leftovers."""
+    seq, stride = 160, 8
+    keys = torch.randn(1, 2, seq, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    values = torch.randn_like(keys)
+    scores = torch.rand(1, 2, seq, generator=torch.Generator().manual_seed(1))
+    scores[..., 70:75] += 10.0  # the "needle"
+
+    class Scorer(KnormPress):
+        def score(self, *args, **kwargs):
+            return scores
+
+    kept = []
+    for offset in range(stride):
+        press = PhaseAwarePress(0.75, stride=stride, offset=offset, budget="row", scorer=Scorer(), rope="none")
+        press.compress(FakeAttention(), None, keys, values, None, {})
+        stats = press.stats[0]
+        single = (stats.ends == stats.positions + 1)[0, 0]
+        kept.append({int(t) for t in stats.positions[0, 0][single]})
+    for k in kept:
+        assert set(range(70, 75)) <= k
+
+
+def test_window_topk_keeps_as_many_raw_tokens_in_every_window():
+    seq, stride, ratio = 120, 8, 0.5
+    keys = torch.randn(1, 1, seq, HEAD_DIM, generator=torch.Generator().manual_seed(2))
+    press = PhaseAwarePress(ratio, stride=stride, budget="window_topk", align=False, stagger="none", rope="none")
+    press.compress(FakeAttention(), None, keys, keys.clone(), None, {})
+    stats = press.stats[0]
+    layout = stats.layout
+    single = (stats.ends == stats.positions + 1)[0, 0]
+    raw = stats.positions[0, 0][single].long()
+    inside = raw[(raw >= int(layout.first[0, 0])) & (raw < int(layout.first[0, 0]) + layout.n_windows * stride)]
+    per_window = torch.bincount((inside - int(layout.first[0, 0])) // stride, minlength=layout.n_windows)
+    assert bool((per_window == layout.k - 1).all())

@@ -38,7 +38,9 @@ def test_select_mode_cannot_overlap():
         PhaseAwarePress(0.5, mode="select", overlap=True)
 
 
-@pytest.mark.parametrize("name,value", [("stagger", "row"), ("spread", "window"), ("overlap", "yes"), ("align", 1)])
+@pytest.mark.parametrize("name,value", [("stagger", "row"), ("spread", "window"), ("overlap", "yes"), ("align", 1),
+                                        ("budget", "tokens"), ("span", -1), ("span_pool", "min"),
+                                        ("share_heads", "yes"), ("residual", "keep"), ("pool_window", 4)])
 def test_phase_aware_switches(name, value):
     with pytest.raises(ValueError, match=name):
         PhaseAwarePress(**{name: value})
@@ -59,3 +61,9 @@ def test_valid_presses_construct():
     ChunkedStridePress(0.0)
     ChunkedStridePress(0.9, window=12, stride=8, offset=3, n_sink=0, n_local=0, scorer=KnormPress())
     PhaseAwarePress(0.5, stagger="head_layer", align=True, overlap=False)
+
+
+def test_content_budgets_need_pool_mode_without_overlap():
+    for kw in ({"mode": "select"}, {"overlap": True}):
+        with pytest.raises(ValueError, match="budget='row'"):
+            PhaseAwarePress(0.5, budget="row", **kw)
