@@ -13,7 +13,7 @@ so the block a row compresses has left the ``n_local`` window, and the cache the
 ``compressed_length(n)`` entries. Each block starts where the row's previous one ended, so a generated token's
 phase continues the prefill's grid, per row (PhaseAwarePress's per-head and aligned grids included).
 
-The blocks are compressed with the same kernels as the prefill, on the raw tail only: there cache indices are
+The blocks are compressed by the press's own kernel call (``compress_windows``), on the raw tail only: there cache indices are
 consecutive positions, and the kernels' RoPE handling uses only distances between positions inside a window, so
 re-rotation is exact even though the cache index of a token is no longer its position. The hot path (a step that
 completes no block) is integer arithmetic.
@@ -39,9 +39,7 @@ from kvpress import BasePress, PrefillDecodingPress
 from torch import nn
 from transformers import QuantizedCache
 
-from kvpress_phase.kernels import pool_windows, select_windows
 from kvpress_phase.phase import WindowLayout, n_windows
-from kvpress_phase.rope import rotary_inv_freq
 
 
 @dataclass
@@ -189,27 +187,26 @@ def compress_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress the next ``n_blocks`` stride blocks of every row of ``keys``/``values`` and advance ``state``.
 
-    ``keys`` and ``values`` are the whole layer (``(batch, heads, cache_len, head_dim)``). Only the raw tail from
-    the earliest row's next block on is read; the entries before it are returned untouched.
+    ``keys`` and ``values`` are the whole layer (``(batch, heads, cache_len, head_dim)``). Only the raw tokens the
+    due windows read are handed to the press's ``compress_windows``, as a sequence of their own (there cache
+    indices are consecutive positions); the entries before and after them are returned untouched.
     """
     S, k = state.stride, state.k
     starts = state.first + state.blocks * S  # (B, H) position of each row's next block
     lo = int(starts.min())
     c0 = lo - state.removed  # cache index of position lo
-    tail_k, tail_v = keys[:, :, c0:], values[:, :, c0:]
     rel = (starts - lo).to(torch.long)
-    layout = WindowLayout(seq_len=tail_k.shape[2], window=state.window, stride=S, k=k, n_sink=0, n_local=0,
+    # what the windows read: the due blocks, and the next window - stride tokens (overlapping windows)
+    end = c0 + min(keys.shape[2] - c0, int(rel.max()) + n_blocks * S + state.window - S)
+    tail_k, tail_v = keys[:, :, c0:end], values[:, :, c0:end]
+    layout = WindowLayout(seq_len=end - c0, window=state.window, stride=S, k=k, n_sink=0, n_local=0,
                           offsets=rel, first=rel, n_windows=n_blocks)
     scores = _tail_scores(press, module, hidden_states, tail_k, tail_v, kwargs) if press.needs_scores else None
-    if press.mode == "select":
-        out = select_windows(tail_k, tail_v, scores, layout, backend=press.backend)
-    else:
-        inv_freq = rotary_inv_freq(module) if press.needs_rope else None
-        out = pool_windows(tail_k, tail_v, layout, scores=scores, weighting=press.weighting, rope=press.rope,
-                           inv_freq=inv_freq, backend=press.backend)
-    new_keys = torch.cat((keys[:, :, :c0], out.keys), dim=2)
-    new_values = torch.cat((values[:, :, :c0], out.values), dim=2)
-    _update_stats(press, module, state, layout, out.positions, lo, c0, keys.shape[2], new_keys.shape[2])
+    out = press.compress_windows(module, tail_k, tail_v, scores, layout)
+    new_keys = torch.cat((keys[:, :, :c0], out.keys, keys[:, :, end:]), dim=2)
+    new_values = torch.cat((values[:, :, :c0], out.values, values[:, :, end:]), dim=2)
+    tail_ends = out.ends if out.ends is not None else press._entry_ends(layout, out.positions)
+    _update_stats(press, module, state, layout, out.positions, tail_ends, lo, c0, keys.shape[2], new_keys.shape[2])
     state.blocks += n_blocks
     state.removed += n_blocks * (S - k)
     state.cache_len = new_keys.shape[2]
@@ -229,7 +226,7 @@ def _tail_scores(press, module, hidden_states, keys, values, kwargs) -> torch.Te
     return scores.float()
 
 
-def _update_stats(press, module, state, layout, tail_positions, lo, c0, old_len, new_len) -> None:
+def _update_stats(press, module, state, layout, tail_positions, tail_ends, lo, c0, old_len, new_len) -> None:
     """Extend ``press.stats[layer]`` (source position and end of every entry) with the blocks just compressed.
 
     The compressed tail starts at the cache index of the earliest row's block; in rows whose block starts later,
@@ -257,7 +254,7 @@ def _update_stats(press, module, state, layout, tail_positions, lo, c0, old_len,
     positions = merged(old.positions, tail_positions + lo, state.removed)
     ends = None
     if old.ends is not None:
-        ends = merged(old.ends, press._entry_ends(layout, tail_positions) + lo, state.removed + 1)
+        ends = merged(old.ends, tail_ends + lo, state.removed + 1)
     seen = old_len + state.removed
     press.stats[layer_idx] = LayerStats(seen, new_len, 1.0 - new_len / seen, old.layout, positions, ends)
 

@@ -46,6 +46,8 @@ PIPELINE_PRESSES = {
     "chunked_select": lambda: ChunkedStridePress(0.75, mode="select", decoding=True),
     "phase_aware_pool": lambda: PhaseAwarePress(0.5, decoding=True),
     "phase_aware_select": lambda: PhaseAwarePress(0.5, mode="select", decoding=True),
+    "phase_aware_row": lambda: PhaseAwarePress(0.5, budget="row", decoding=True),
+    "phase_aware_window_topk": lambda: PhaseAwarePress(0.75, budget="window_topk", decoding=True),
 }
 
 
