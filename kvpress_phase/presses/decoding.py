@@ -13,10 +13,12 @@ so the block a row compresses has left the ``n_local`` window, and the cache the
 ``compressed_length(n)`` entries. Each block starts where the row's previous one ended, so a generated token's
 phase continues the prefill's grid, per row (PhaseAwarePress's per-head and aligned grids included).
 
-The blocks are compressed by the press's own kernel call (``compress_windows``), on the raw tail only: there cache indices are
-consecutive positions, and the kernels' RoPE handling uses only distances between positions inside a window, so
-re-rotation is exact even though the cache index of a token is no longer its position. The hot path (a step that
-completes no block) is integer arithmetic.
+The blocks are compressed by the press's own kernel call (``compress_windows``), handed only the raw tokens the
+due windows read, as a sequence of their own: there cache indices are consecutive positions, and un-rotation and
+re-rotation happen in the same frame, so only distances between positions matter and re-rotation is exact even
+though a token's cache index is no longer its position. Content-adaptive budgets (PhaseAwarePress's
+``budget="row"`` or ``"window_topk"``) thus choose among the tokens of the blocks being compressed. A step that
+completes no block costs a few integer operations.
 
 Length rule: after every forward pass (prefill, question, each generated token) the cache holds exactly
 ``compressed_length(n, stride, compression_ratio, n_sink, n_local)`` entries for the ``n`` tokens seen so far;
