@@ -130,7 +130,8 @@ def test_quantized_cache_while_decoding(name, tokenizer, monkeypatch):
 
     def wrapped(p, module, kwargs, output):
         out = original(p, module, kwargs, output)
-        lengths.append((p.decoding_state[module.layer_idx].seen, kwargs["past_key_values"].get_seq_length(module.layer_idx)))
+        layer_idx = module.layer_idx
+        lengths.append((p.decoding_state[layer_idx].seen, kwargs["past_key_values"].get_seq_length(layer_idx)))
         return out
 
     monkeypatch.setattr(decoding, "decode_step", wrapped)

@@ -195,7 +195,8 @@ def test_pipeline_refuses_several_questions_with_decoding(tokenizer):
 
 
 def test_decoding_without_this_press_prefill_is_refused(tokenizer):
-    press = PrefillDecodingPress(prefilling_press=KnormPress(0.5), decoding_press=ChunkedStridePress(0.5, decoding=True))
+    press = PrefillDecodingPress(prefilling_press=KnormPress(0.5),
+                                 decoding_press=ChunkedStridePress(0.5, decoding=True))
     with pytest.raises(ValueError, match="not prefilled by this press"):
         _pipe(tiny_model("llama"), tokenizer)(CONTEXT, question="w1", press=press, max_new_tokens=20)
 
