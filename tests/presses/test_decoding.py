@@ -41,6 +41,11 @@ FIXED_GRID = {
     "phase_aware_overlap": lambda: PhaseAwarePress(0.75, overlap=True, align=False, offset=3, decoding=True),
     "phase_aware_head_layer": lambda: PhaseAwarePress(0.625, stagger="head_layer", align=False, decoding=True),
 }
+TRITON = {  # the Triton kernels on the decoding layouts (on the CPU through TRITON_INTERPRET=1, see conftest.py)
+    "chunked_pool_triton": lambda: ChunkedStridePress(0.5, decoding=True, backend="triton"),
+    "phase_aware_select_triton": lambda: PhaseAwarePress(0.5, mode="select", align=False, decoding=True,
+                                                         backend="triton"),
+}
 PIPELINE_PRESSES = {
     "chunked_pool": lambda: ChunkedStridePress(0.5, decoding=True),
     "chunked_select": lambda: ChunkedStridePress(0.75, mode="select", decoding=True),
@@ -71,21 +76,36 @@ def _decode_by_hand(press, keys, values, n0, step_sizes, module):
     return k, v, lengths
 
 
-@pytest.mark.parametrize("steps", [[1], [5, 1, 13]], ids=["one_token", "mixed"])
-@pytest.mark.parametrize("name", sorted(FIXED_GRID))
-def test_decoding_equals_a_prefill_of_the_whole_sequence(name, steps):
+def _check_equals_whole_prefill(make, steps, n=260):
     module = FakeAttention(layer_idx=1)
     g = torch.Generator().manual_seed(0)
-    keys, values = torch.randn(2, 4, 260, HEAD_DIM, generator=g), torch.randn(2, 4, 260, HEAD_DIM, generator=g)
-    press = FIXED_GRID[name]()
+    keys, values = torch.randn(2, 4, n, HEAD_DIM, generator=g), torch.randn(2, 4, n, HEAD_DIM, generator=g)
+    press = make()
     k, v, lengths = _decode_by_hand(press, keys, values, 90, steps, module)
-    full = FIXED_GRID[name]()
+    full = make()
     fk, fv = full.compress(module, None, keys, values, None, {})
     assert torch.allclose(k, fk, atol=1e-6) and torch.allclose(v, fv, atol=1e-6)
     positions, ends = decoding.entry_positions(press, 1, k.shape[2])
     assert torch.equal(positions, full.stats[1].positions) and torch.equal(ends, full.stats[1].ends)
     for n, cache_len in lengths:  # the length rule after every step
         assert cache_len == compressed_length(n, press.stride, press.compression_ratio, press.n_sink, press.n_local)
+
+
+@pytest.mark.parametrize("steps", [[1], [5, 1, 13]], ids=["one_token", "mixed"])
+@pytest.mark.parametrize("name", sorted(FIXED_GRID))
+def test_decoding_equals_a_prefill_of_the_whole_sequence(name, steps):
+    _check_equals_whole_prefill(FIXED_GRID[name], steps)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("name", sorted(TRITON))
+def test_decoding_with_the_triton_kernels(name):
+    pytest.importorskip("triton")
+    from kvpress_phase.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("Triton kernels cannot be imported here")
+    _check_equals_whole_prefill(TRITON[name], [16, 1], n=140)
 
 
 def test_aligned_per_head_grids_continue_each_row_own_grid():
