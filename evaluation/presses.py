@@ -58,6 +58,11 @@ def parse_press_spec(text: str) -> PressSpec:
             raise ValueError(f"press setting {item!r} in {text!r} must look like key=value")
         if name not in OUR_PRESSES:
             raise ValueError(f"press {name!r} takes no settings (got {item!r})")
+        if key == "decoding":
+            raise ValueError(
+                f"press setting {item!r}: the phase evaluation replays the prefill's compression and decodes its "
+                "short answers without press hooks, so decoding compression would not apply"
+            )
         options.append((key, _parse_value(value)))
     spec = PressSpec(name, tuple(options))
     build_press(spec, 0.5, 8, None, 0)  # validate the settings now, not mid-run

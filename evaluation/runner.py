@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -265,6 +266,33 @@ def distributed_state():
     return 0, 1, lambda: None
 
 
+def check_context_lengths(config: EvalConfig, model) -> Optional[str]:
+    """Warn (and return the message) when a context length exceeds the model's ``max_position_embeddings``.
+
+    Such a run is not refused, but its answers say nothing about compression (the model never saw those positions)
+    and every answer is far slower than at the lengths the model knows.
+    """
+    model_config = getattr(model, "config", None)
+    if model_config is not None and hasattr(model_config, "get_text_config"):
+        model_config = model_config.get_text_config()
+    limit = getattr(model_config, "max_position_embeddings", None)
+    too_long = sorted(n for n in config.context_lengths if limit is not None and n > limit)
+    if not too_long:
+        return None
+    from kvpress_phase.builtin import builtin_model_name, builtin_training_length
+
+    name = builtin_model_name(model)
+    trained = (f"the built-in model {name!r} was trained on sequences of up to {builtin_training_length(name)} tokens"
+               if name else "the model was not trained on positions past it")
+    lengths = ", ".join(str(n) for n in too_long)
+    message = (
+        f"context length {lengths} exceeds the model's max_position_embeddings ({limit}), and {trained}: "
+        "accuracy at such lengths says nothing about compression, and each answer takes much longer"
+    )
+    warnings.warn(message, UserWarning, stacklevel=2)
+    return message
+
+
 def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, progress: bool = True,
                    max_units: Optional[int] = None) -> pd.DataFrame:
     """Run (or resume) ``config`` and return the merged per-example results.
@@ -277,6 +305,7 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
 
     config.validate()
     check_tokenizer(tokenizer)
+    check_context_lengths(config, model)
     rank, world, barrier = distributed_state()
     os.makedirs(os.path.join(output_dir, RESULTS_DIR), exist_ok=True)
     config_path = os.path.join(output_dir, "config.json")

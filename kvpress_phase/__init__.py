@@ -23,6 +23,7 @@ if not os.path.isdir(os.path.join(_here, "kernels")) and os.path.isfile(os.path.
 _LAZY = {
     "ChunkedStridePress": "kvpress_phase.presses.chunked_stride_press",
     "PhaseAwarePress": "kvpress_phase.presses.phase_aware_press",
+    "PerLayerWindowedPress": "kvpress_phase.presses.per_layer",
     "WindowLayout": "kvpress_phase.phase",
     "phase_of": "kvpress_phase.phase",
     "builtin_model_path": "kvpress_phase.builtin",

@@ -13,8 +13,11 @@ Two are registered (:data:`BUILTIN_MODELS`):
 
 from __future__ import annotations
 
+import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Optional
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -79,6 +82,46 @@ def builtin_model_path(name: str = DEFAULT_MODEL) -> str:
     return model.path
 
 
+def builtin_training_length(name: str = DEFAULT_MODEL) -> int:
+    """Longest sequence, in tokens, the built-in model ``name`` was trained on (from its ``training_log.json``)."""
+    with open(os.path.join(builtin_model_path(name), "training_log.json")) as fh:
+        config = json.load(fh)["config"]
+    if "context_lengths" in config:  # fine-tuned with a press in the loop (evaluation/finetune.py)
+        return max(config["context_lengths"])
+    return max(config["lengths"] + config.get("extend_lengths", []))
+
+
+def builtin_model_name(model) -> Optional[str]:
+    """The name of the built-in model a loaded ``model`` was loaded from, or None."""
+    path = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if not path or not os.path.isdir(path):
+        return None
+    for entry in BUILTIN_MODELS.values():
+        if entry.available and os.path.samefile(path, entry.path):
+            return entry.name
+    return None
+
+
+def is_builtin_model(model) -> bool:
+    """Whether ``model`` (a loaded model) was loaded from one of the built-in models' directories."""
+    return builtin_model_name(model) is not None
+
+
+@contextmanager
+def quiet_loading():
+    """Hide transformers' "Loading weights" progress bar (restored afterwards): the built-in models load in well
+    under a second, and the bar fills notebook outputs."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_builtin_model(device: str = "cpu", dtype=None, name: str = DEFAULT_MODEL):
     """``(model, tokenizer)`` of the built-in model ``name``, loaded offline."""
     import torch
@@ -86,5 +129,6 @@ def load_builtin_model(device: str = "cpu", dtype=None, name: str = DEFAULT_MODE
 
     path = builtin_model_path(name)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     return model.to(device).eval(), tokenizer

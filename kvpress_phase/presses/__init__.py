@@ -2,6 +2,7 @@
 
 from kvpress_phase.presses.base import LayerStats, WindowedPress
 from kvpress_phase.presses.chunked_stride_press import ChunkedStridePress
+from kvpress_phase.presses.per_layer import PerLayerWindowedPress
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
 
-__all__ = ["ChunkedStridePress", "PhaseAwarePress", "WindowedPress", "LayerStats"]
+__all__ = ["ChunkedStridePress", "PhaseAwarePress", "PerLayerWindowedPress", "WindowedPress", "LayerStats"]

@@ -13,10 +13,12 @@ from typing import Optional, Union
 
 import torch
 from kvpress import BasePress, KnormPress, ScorerPress
+from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
 from kvpress_phase.kernels import BACKENDS, ROPE_MODES, WEIGHTINGS, Compressed, pool_windows, select_windows
 from kvpress_phase.phase import WindowLayout, group_bounds, kept_per_window
+from kvpress_phase.presses import decoding as _decoding
 from kvpress_phase.rope import rotary_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -73,10 +75,17 @@ class WindowedPress(BasePress):
     weighting: str = "mean"
     rope: str = "start"
     backend: Optional[str] = None
+    decoding: bool = False
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    decoding_state: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.validate()
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "decoding":  # kvpress's pipeline keeps only PrefillDecodingPress instances active while generating
+            _decoding.sync_decoding_class(self, value is True)
 
     # ------------------------------------------------------------------ parameters
     @property
@@ -104,6 +113,8 @@ class WindowedPress(BasePress):
         _check_choice("rope", self.rope, ROPE_MODES)
         if self.backend is not None:
             _check_choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.decoding, bool):
+            raise ValueError(f"decoding must be True or False, got {self.decoding!r}")
         if not isinstance(self.scorer, ScorerPress):
             raise ValueError(f"scorer must be a kvpress ScorerPress, got {type(self.scorer).__name__}")
         if self.mode == "select" and self.effective_window != self.stride:
@@ -166,8 +177,11 @@ class WindowedPress(BasePress):
         self.validate()
         layer_idx = getattr(module, "layer_idx", 0)
         seq_len = keys.shape[2]
+        self._check_positions(hidden_states, seq_len)
         if self.compression_ratio == 0:
             self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
+            if self.decoding:
+                _decoding.start(self, module, None, seq_len, kwargs)
             return keys, values
 
         def score():
@@ -175,6 +189,8 @@ class WindowedPress(BasePress):
 
         scores = score() if self.needs_scores_for_grid else None
         layout = self.layout_for(module, keys, scores)
+        if self.decoding:
+            _decoding.start(self, module, layout, layout.compressed_length, kwargs)
         if layout.n_windows == 0:  # too short for one window: nothing to score or compress
             self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
             return keys, values
@@ -197,6 +213,28 @@ class WindowedPress(BasePress):
         inv_freq = rotary_inv_freq(module) if self.needs_rope else None
         return pool_windows(keys, values, layout, scores=scores, weighting=self.weighting, rope=self.rope,
                             inv_freq=inv_freq, backend=self.backend)
+
+    def forward_hook(self, module: nn.Module, input, kwargs: dict, output):
+        if self.decoding and not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            return _decoding.decode_step(self, module, kwargs, output)
+        return BasePress.forward_hook(self, module, input, kwargs, output)
+
+    def reset(self) -> None:
+        """Kept for kvpress's ``PrefillDecodingPress``, which calls it whenever its context exits: the decoding
+        state of each layer belongs to the cache its prefill compressed and is replaced by the next prefill, so the
+        prefill's context exiting must not drop it."""
+
+    def _check_positions(self, hidden_states: Optional[torch.Tensor], seq_len: int) -> None:
+        """Refuse a cache that another press has already shortened: its indices are no longer token positions."""
+        if hidden_states is None or hidden_states.dim() != 3 or seq_len >= hidden_states.shape[1]:
+            return
+        name = type(self).__name__
+        raise ValueError(
+            f"{name} received {seq_len} keys for {hidden_states.shape[1]} tokens: another press has already "
+            f"shortened this layer's cache, so a key's index is no longer its position and {name}'s windows, phases "
+            f"and RoPE re-rotation would be wrong. Put {name} first: ComposedPress([{name}(...), other_press]) "
+            "works, the other press then prunes the compressed cache."
+        )
 
     def _entry_ends(self, layout: WindowLayout, positions: torch.Tensor) -> torch.Tensor:
         ends = positions + 1

@@ -31,6 +31,10 @@ class ChunkedStridePress(WindowedPress):
 
     A sequence too short for one window passes through unchanged.
 
+    Positions. A key's index in the cache is taken as its position, which holds only when no other press has
+    shortened the cache before: on a shortened cache (fewer keys than the layer's tokens) the press raises
+    ``ValueError``; in a ``kvpress.ComposedPress`` put it first. A ratio per layer: :class:`PerLayerWindowedPress`.
+
     Parameters
     ----------
     compression_ratio : float, default 0.0
@@ -61,6 +65,12 @@ class ChunkedStridePress(WindowedPress):
         start (as in the reproduction of the paper), its centre, or its weight-averaged position.
     backend : {"auto", "triton", "torch"} or None, default None
         Kernel backend (None reads ``KVPRESS_PHASE_BACKEND``, default auto: Triton on CUDA tensors).
+    decoding : bool, default False
+        Also compress while generating: as tokens leave the ``n_local`` window, every complete stride block of
+        every row is compressed into ``k`` entries on the prefill's grid, so after every forward pass the cache
+        holds exactly ``compressed_length(n)`` entries for the ``n`` tokens seen so far (see
+        :mod:`kvpress_phase.presses.decoding`). The press is then also a kvpress ``PrefillDecodingPress``, so
+        ``pipe(..., press=press, max_new_tokens=...)`` keeps it active while generating (one question per context).
 
     Every parameter is validated at construction; invalid values raise ``ValueError`` naming the parameter.
     """

@@ -14,7 +14,8 @@ from transformers import DynamicCache, pipeline
 
 from tiny_models import tiny_model
 from kvpress_phase.evaluation.presses import build_press, parse_press_spec
-from kvpress_phase.evaluation.runner import EvalConfig, ReplayEngine, read_results, run_evaluation
+from kvpress_phase.evaluation.runner import (EvalConfig, ReplayEngine, check_context_lengths, read_results,
+                                             run_evaluation)
 from kvpress_phase.evaluation.tasks import generate
 from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
@@ -149,3 +150,18 @@ def test_needle_attention_diagnostic(model, word_tokenizer):
     cache = engine.compressed_cache(state, ours)
     start, end = entry_spans(ours, 0, keys, cache.layers[0].keys)
     assert ((end - start) <= 8).all() and ((end - start) >= 1).all() and (end - start).max() == 4
+
+
+def test_context_longer_than_the_model_positions_warns(model):
+    assert check_context_lengths(EvalConfig(context_lengths=[512, 2048]), model) is None  # tiny model: 2048
+    with pytest.warns(UserWarning, match=r"context length 4096, 9000 exceeds the model's max_position_embeddings "
+                                         r"\(2048\), and the model was not trained on positions past it"):
+        check_context_lengths(EvalConfig(context_lengths=[512, 9000, 4096]), model)
+
+
+def test_context_longer_than_the_builtin_model_positions_says_what_it_was_trained_on():
+    from kvpress_phase import load_builtin_model
+
+    builtin, _ = load_builtin_model()
+    with pytest.warns(UserWarning, match=r"\(4096\), and the built-in model was trained on sequences of up to 2048"):
+        check_context_lengths(EvalConfig(context_lengths=[100_000]), builtin)

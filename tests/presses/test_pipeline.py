@@ -78,6 +78,7 @@ def test_composed_press_runs_ours_then_a_kvpress_press(tokenizer):
 @pytest.mark.parametrize("press", [ChunkedStridePress(0.5), PhaseAwarePress(0.5)], ids=["chunked", "phase_aware"])
 def test_per_layer_wrapper_refuses_with_a_clear_error(press):
     # PerLayerCompressionPress only accepts global ScorerPresses; it must refuse ours, not silently ignore windows
+    # (PerLayerWindowedPress is ours, tests/presses/test_combining.py)
     with pytest.raises(AssertionError, match="ScorerPress"):
         PerLayerCompressionPress(press=press, compression_ratios=[0.5, 0.5])
 

@@ -20,6 +20,7 @@ BAD = [
     ("rope", "end"),
     ("backend", "cuda"),
     ("scorer", "knorm"),
+    ("decoding", "yes"),
 ]
 
 

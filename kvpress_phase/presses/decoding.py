@@ -1,0 +1,312 @@
+"""Chunked compression during decoding (``decoding=True`` on either press).
+
+After the prefill, each row of the cache holds, in order: the raw tokens before its first window, ``k`` entries
+per compressed window, then the raw tokens after its last window, up to the end of the cache. Every row has
+removed the same number of entries ``D``, so in that raw tail the entry at cache index ``c`` is the token at
+position ``c + D`` for every row. Decoding appends tokens to that tail.
+
+With ``decoding=True`` the press keeps, per layer, where each row's grid stands (:class:`DecodingState`: the
+start of its next stride block, its ``k``, ``D``). After every forward pass that is not the prefill it counts the
+tokens seen so far, ``n = cache length + D``, and compresses the next stride blocks of every row as soon as
+:func:`~kvpress_phase.phase.n_windows` says ``n`` tokens hold that many windows: the same rule as the prefill,
+so the block a row compresses has left the ``n_local`` window, and the cache then holds exactly
+``compressed_length(n)`` entries. Each block starts where the row's previous one ended, so a generated token's
+phase continues the prefill's grid, per row (PhaseAwarePress's per-head and aligned grids included).
+
+The blocks are compressed by the press's own kernel call (``compress_windows``), handed only the raw tokens the
+due windows read, as a sequence of their own: there cache indices are consecutive positions, and un-rotation and
+re-rotation happen in the same frame, so only distances between positions matter and re-rotation is exact even
+though a token's cache index is no longer its position. Content-adaptive budgets (PhaseAwarePress's
+``budget="row"`` or ``"window_topk"``) thus choose among the tokens of the blocks being compressed. A step that
+completes no block costs a few integer operations.
+
+Length rule: after every forward pass (prefill, question, each generated token) the cache holds exactly
+``compressed_length(n, stride, compression_ratio, n_sink, n_local)`` entries for the ``n`` tokens seen so far;
+during a step's own attention, before that step's compression, at most ``stride - k`` (so at most ``stride - 1``)
+more.
+
+kvpress's pipeline keeps a press active while it generates only if the press is a ``PrefillDecodingPress``, so a
+press with ``decoding=True`` becomes an instance of a subclass that is also one (:func:`decoding_class`); it then
+answers one question per context, as every kvpress decoding press does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from kvpress import BasePress, PrefillDecodingPress
+from torch import nn
+from transformers import QuantizedCache
+
+from kvpress_phase.phase import WindowLayout, n_windows
+
+
+@dataclass
+class DecodingState:
+    """Where one layer's grids stand during decoding."""
+
+    stride: int
+    window: int
+    k: int
+    n_sink: int
+    n_local: int
+    first: Optional[torch.Tensor]
+    """``(batch, heads)`` long: position of each row's first window (``None`` when ``k == stride``)."""
+    blocks: int
+    """Windows compressed so far in every row (prefill and decoding)."""
+    removed: int
+    """Entries removed so far in every row, ``blocks * (stride - k)``: cache index + removed = position in the raw
+    tail."""
+    cache_len: int
+    """Cache length after this press last touched the layer."""
+    cache_ref: Optional[Any] = None
+    """Weak reference to the cache the prefill compressed (``None`` when compress was called without one)."""
+
+    @property
+    def seen(self) -> int:
+        """Tokens seen so far (positions ``0 .. seen - 1``)."""
+        return self.cache_len + self.removed
+
+
+# ------------------------------------------------------------------------------------------------ classes
+_VARIANTS: dict[type, type] = {}
+_BASES: dict[type, type] = {}
+
+
+def decoding_class(cls: type) -> type:
+    """The subclass of ``cls`` that is also a kvpress ``PrefillDecodingPress``.
+
+    kvpress's pipeline decides from the press's type whether to keep it active while generating. The subclass
+    only adds that base; every method comes from ``cls`` (and ``__call__`` from kvpress's ``BasePress``). It is
+    registered in this module under ``Decoding<name>`` so that instances pickle.
+    """
+    if cls in _BASES or issubclass(cls, PrefillDecodingPress):
+        return cls
+    variant = _VARIANTS.get(cls)
+    if variant is None:
+        name = f"Decoding{cls.__name__}"
+        if name in globals():
+            name = f"Decoding{cls.__module__.replace('.', '_')}_{cls.__name__}"
+        variant = type(name, (cls, PrefillDecodingPress), {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"{cls.__name__} with decoding=True: also a kvpress PrefillDecodingPress, so kvpress's "
+                       f"pipeline keeps it active while generating. See {cls.__name__}.",
+            "__call__": BasePress.__call__,
+        })
+        _VARIANTS[cls] = variant
+        _BASES[variant] = cls
+        globals()[name] = variant
+    return variant
+
+
+def sync_decoding_class(obj: object, decoding: bool) -> None:
+    """Make ``obj`` an instance of :func:`decoding_class` of its class when ``decoding``, of its class otherwise."""
+    cls = type(obj)
+    base = _BASES.get(cls, cls)
+    target = decoding_class(base) if decoding else base
+    if target is not cls:
+        obj.__class__ = target
+
+
+# ------------------------------------------------------------------------------------------------ state
+def start(press, module: nn.Module, layout: Optional[WindowLayout], cache_len: int, kwargs: dict) -> None:
+    """Record, after the prefill compressed a layer, where its grids stand (``layout`` None: not compressed)."""
+    layer_idx = getattr(module, "layer_idx", 0)
+    cache = kwargs.get("past_key_values") if kwargs else None
+    ref = weakref.ref(cache) if cache is not None else None
+    if layout is None:  # compression_ratio 0: k == stride, nothing to compress while decoding either
+        press.decoding_state[layer_idx] = DecodingState(
+            press.stride, press.effective_window, press.stride, press.n_sink, press.n_local, None, 0, 0, cache_len,
+            ref)
+        return
+    press.decoding_state[layer_idx] = DecodingState(
+        layout.stride, layout.window, layout.k, layout.n_sink, layout.n_local, layout.first.clone(),
+        layout.n_windows, layout.seq_len - layout.compressed_length, cache_len, ref)
+
+
+def _state_for(press, module: nn.Module, cache) -> DecodingState:
+    layer_idx = getattr(module, "layer_idx", 0)
+    state = press.decoding_state.get(layer_idx)
+    name = type(press).__name__
+    if state is None or (state.cache_ref is not None and state.cache_ref() is not cache):
+        raise ValueError(
+            f"{name}(decoding=True) continues the window grid of the prefill it compressed, but layer {layer_idx}'s "
+            "cache was not prefilled by this press. Use the same press for the prefill (pass it as the press, not "
+            "only as a PrefillDecodingPress's decoding_press)."
+        )
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ cache access
+def read_layer(cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one cache layer, a quantized layer's residual (unquantized) part included."""
+    layer = cache.layers[layer_idx]
+    if isinstance(cache, QuantizedCache):
+        keys = layer._dequantize(layer._quantized_keys)
+        values = layer._dequantize(layer._quantized_values)
+        if layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[-2] > 0:
+            keys = torch.cat((keys, layer.keys.to(keys.dtype)), dim=-2)
+            values = torch.cat((values, layer.values.to(values.dtype)), dim=-2)
+        return keys, values
+    return layer.keys, layer.values
+
+
+def write_layer(cache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Replace one cache layer's contents (re-quantized for a quantized cache, as kvpress does)."""
+    layer = cache.layers[layer_idx]
+    if isinstance(cache, QuantizedCache):
+        layer._quantized_keys = layer._quantize(keys.contiguous(), axis=layer.axis_key)
+        layer._quantized_values = layer._quantize(values.contiguous(), axis=layer.axis_value)
+        layer.keys = torch.zeros(0, dtype=keys.dtype, device=keys.device)
+        layer.values = torch.zeros(0, dtype=keys.dtype, device=keys.device)
+        layer.cumulative_length = keys.shape[2]
+    else:
+        layer.keys = keys
+        layer.values = values
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+def blocks_due(state: DecodingState, cache_len: int) -> int:
+    """Stride blocks every row must compress now that the layer's cache holds ``cache_len`` entries."""
+    if state.k >= state.stride:
+        return 0
+    return n_windows(cache_len + state.removed, state.stride, state.n_sink, state.n_local) - state.blocks
+
+
+def compress_blocks(
+    press,
+    module: nn.Module,
+    state: DecodingState,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n_blocks: int,
+    hidden_states: Optional[torch.Tensor] = None,
+    kwargs: Optional[dict] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress the next ``n_blocks`` stride blocks of every row of ``keys``/``values`` and advance ``state``.
+
+    ``keys`` and ``values`` are the whole layer (``(batch, heads, cache_len, head_dim)``). Only the raw tokens the
+    due windows read are handed to the press's ``compress_windows``, as a sequence of their own (there cache
+    indices are consecutive positions); the entries before and after them are returned untouched.
+    """
+    S, k = state.stride, state.k
+    starts = state.first + state.blocks * S  # (B, H) position of each row's next block
+    lo = int(starts.min())
+    c0 = lo - state.removed  # cache index of position lo
+    rel = (starts - lo).to(torch.long)
+    # what the windows read: the due blocks, and the next window - stride tokens (overlapping windows)
+    end = c0 + min(keys.shape[2] - c0, int(rel.max()) + n_blocks * S + state.window - S)
+    tail_k, tail_v = keys[:, :, c0:end], values[:, :, c0:end]
+    layout = WindowLayout(seq_len=end - c0, window=state.window, stride=S, k=k, n_sink=0, n_local=0,
+                          offsets=rel, first=rel, n_windows=n_blocks)
+    scores = _tail_scores(press, module, hidden_states, tail_k, tail_v, kwargs) if press.needs_scores else None
+    out = press.compress_windows(module, tail_k, tail_v, scores, layout)
+    new_keys = torch.cat((keys[:, :, :c0], out.keys, keys[:, :, end:]), dim=2)
+    new_values = torch.cat((values[:, :, :c0], out.values, values[:, :, end:]), dim=2)
+    tail_ends = out.ends if out.ends is not None else press._entry_ends(layout, out.positions)
+    _update_stats(press, module, state, layout, out.positions, tail_ends, lo, c0, keys.shape[2], new_keys.shape[2])
+    state.blocks += n_blocks
+    state.removed += n_blocks * (S - k)
+    state.cache_len = new_keys.shape[2]
+    return new_keys, new_values
+
+
+def _tail_scores(press, module, hidden_states, keys, values, kwargs) -> torch.Tensor:
+    """The scorer's scores of the raw tail, from the hidden states and kwargs of the current step."""
+    try:
+        scores = press.scorer.score(module, hidden_states, keys, values, None, kwargs or {})
+    except (AssertionError, IndexError, RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"scorer={type(press.scorer).__name__} cannot score a block while decoding ({exc}). With decoding=True "
+            "the scorer sees only the current step's hidden states: use a scorer that scores keys alone (KnormPress, "
+            "the default) or mode='pool' with weighting='mean', which needs no scores."
+        ) from exc
+    return scores.float()
+
+
+def _update_stats(press, module, state, layout, tail_positions, tail_ends, lo, c0, old_len, new_len) -> None:
+    """Extend ``press.stats[layer]`` (source position and end of every entry) with the blocks just compressed.
+
+    The compressed tail starts at the cache index of the earliest row's block; in rows whose block starts later,
+    the entries before it are kept as they were (they may be entries of the row's previous window) and keep their
+    recorded stats.
+    """
+    from kvpress_phase.presses.base import LayerStats
+
+    layer_idx = getattr(module, "layer_idx", 0)
+    old = press.stats.get(layer_idx)
+    if old is None:
+        return
+    if old.positions is None:  # the prefill passed through unchanged: every entry so far is a raw token
+        empty = torch.zeros(layout.batch, layout.heads, 0, dtype=torch.int32, device=tail_positions.device)
+        old = LayerStats(old.seq_len, old.compressed_length, old.achieved_ratio, old.layout, empty, empty)
+    t = torch.arange(tail_positions.shape[2], device=tail_positions.device)
+    before = t < layout.first[..., None]  # (B, H, m): entries before each row's first block, unchanged
+    idx = (c0 + t.clamp(max=layout.stride - 1)).expand_as(before)
+
+    def merged(recorded: torch.Tensor, tail: torch.Tensor, shift: int) -> torch.Tensor:
+        kept = _prefix(recorded, c0 + layout.stride, shift)
+        tail = torch.where(before, kept.gather(2, idx), tail.to(kept))
+        return torch.cat((kept[:, :, :c0], tail), dim=2)
+
+    positions = merged(old.positions, tail_positions + lo, state.removed)
+    ends = None
+    if old.ends is not None:
+        ends = merged(old.ends, tail_ends + lo, state.removed + 1)
+    seen = old_len + state.removed
+    press.stats[layer_idx] = LayerStats(seen, new_len, 1.0 - new_len / seen, old.layout, positions, ends)
+
+
+def _prefix(recorded: torch.Tensor, c0: int, shift: int) -> torch.Tensor:
+    """Per-entry stats of cache indices ``[0, c0)``: those recorded, then ``index + shift`` for the raw tokens
+    appended since."""
+    have = recorded.shape[2]
+    if have >= c0:
+        return recorded[:, :, :c0]
+    raw = torch.arange(have, c0, device=recorded.device, dtype=recorded.dtype) + shift
+    return torch.cat((recorded, raw.expand(recorded.shape[0], recorded.shape[1], -1)), dim=2)
+
+
+def entry_positions(press, layer_idx: int, cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, ends)`` of every entry of a layer whose cache now holds ``cache_len`` entries.
+
+    ``press.stats[layer_idx]`` describes the cache as the last compression left it; the entries appended since are
+    raw tokens at consecutive positions, which this adds.
+    """
+    stats = press.stats[layer_idx]
+    state = press.decoding_state.get(layer_idx)
+    removed = state.removed if state is not None else stats.seq_len - stats.compressed_length
+    positions, ends = stats.positions, stats.ends
+    if positions is None:
+        positions = ends = torch.zeros(1, 1, 0, dtype=torch.int32)
+    return _prefix(positions, cache_len, removed), _prefix(ends, cache_len, removed + 1)
+
+
+def decode_step(press, module: nn.Module, kwargs: dict, output):
+    """Forward hook body for a forward pass that is not the prefill: compress the blocks that became due."""
+    cache = kwargs["past_key_values"]
+    hidden_states = kwargs["hidden_states"]
+    layer_idx = module.layer_idx
+    state = _state_for(press, module, cache)
+    cache_len = cache.layers[layer_idx].get_seq_length()
+    q_len = hidden_states.shape[1]
+    if cache_len != state.cache_len + q_len:
+        name = type(press).__name__
+        raise ValueError(
+            f"{name}(decoding=True): layer {layer_idx}'s cache holds {cache_len} entries, but this press left "
+            f"{state.cache_len} and this step added {q_len}: something else changed the cache (a press after this "
+            "one, or a cache cropped between questions). With decoding=True the press must be the last to change "
+            "the cache, and answers one question per prefill."
+        )
+    due = blocks_due(state, cache_len)
+    if due <= 0:
+        state.cache_len = cache_len
+        return output
+    keys, values = read_layer(cache, layer_idx)
+    keys, values = compress_blocks(press, module, state, keys, values, due, hidden_states, kwargs)
+    write_layer(cache, layer_idx, keys, values)
+    return output
