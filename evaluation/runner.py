@@ -17,6 +17,7 @@ shards in a deterministic order once all ranks are done.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -29,7 +30,6 @@ import pandas as pd
 import torch
 from kvpress import BasePress, KVPressTextGenerationPipeline
 
-from .diagnostics import needle_attention
 from .presses import PHASE_GRID_PRESSES, PressSpec, build_press, parse_press_spec
 from .tasks import PROTOCOLS, generate, get_task, score
 
@@ -89,80 +89,214 @@ class EvalConfig:
 
 
 # ------------------------------------------------------------------------------------------------ replay
+HIDDEN_STATES, ATTENTIONS = "hidden_states", "attentions"
+OFFLOAD_CHOICES = (None, "cpu")
+
+
+def press_reads(press: Optional[BasePress]) -> frozenset:
+    """Which optional compress inputs ``press`` reads: a subset of ``{"hidden_states", "attentions"}``.
+
+    Keys, values and the layer's kwargs are always recorded. Only presses known to ignore the hidden states and the
+    attention weights are listed here; any other press is assumed to read both, so nothing it needs is dropped.
+    """
+    from kvpress import ChunkKVPress, ChunkPress, KnormPress, StreamingLLMPress
+
+    from kvpress_phase.presses import WindowedPress
+
+    if press is None or type(press) in (KnormPress, StreamingLLMPress):
+        return frozenset()
+    if type(press) in (ChunkPress, ChunkKVPress):  # they assert that no attention weights are passed
+        return frozenset({ATTENTIONS}) | press_reads(press.press)
+    if isinstance(press, WindowedPress):  # keys, values and the scorer's inputs
+        return press_reads(press.scorer)
+    return frozenset({HIDDEN_STATES, ATTENTIONS})
+
+
+def _not_captured(tensor: torch.Tensor) -> torch.Tensor:
+    """A stand-in with ``tensor``'s shape and dtype and no data: any computation with it fails loudly."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
 @dataclass
 class _CapturePress(BasePress):
-    """Records what kvpress hands to ``compress`` on every hooked layer, and compresses nothing."""
+    """Records what kvpress hands to ``compress`` on every hooked layer, and compresses nothing.
+
+    ``reads`` names the optional inputs to keep (hidden states, attention weights); the others are replaced by
+    data-less stand-ins. With ``offload`` set, the recorded keys, values and hidden states are moved to that device
+    and the layer's cache entry is emptied, so the prefill holds at most one layer's keys and values at a time.
+    """
 
     inputs: dict = field(default_factory=dict)
+    reads: frozenset = frozenset({HIDDEN_STATES, ATTENTIONS})
+    offload: Optional[str] = None
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        hidden = hidden_states if HIDDEN_STATES in self.reads else _not_captured(hidden_states)
+        attentions = attentions if ATTENTIONS in self.reads else None
+        if self.offload is not None and hidden.device.type != "meta":
+            hidden = hidden.to(self.offload)
         kept = {k: v for k, v in kwargs.items() if k != "past_key_values"}
-        self.inputs[module.layer_idx] = (module, hidden_states, keys, values, attentions, kept)
-        return keys, values
+        if "hidden_states" in kept:  # the same tensor as ``hidden_states``: keep only what is recorded
+            kept["hidden_states"] = hidden
+        if self.offload is None:
+            self.inputs[module.layer_idx] = (module, hidden, keys, values, attentions, kept)
+            return keys, values
+        attentions = attentions.to(self.offload) if attentions is not None else None
+        self.inputs[module.layer_idx] = (module, hidden, keys.to(self.offload), values.to(self.offload), attentions,
+                                         kept)
+        return keys[:, :, :0].clone(), values[:, :, :0].clone()  # the layer's entries now live on self.offload
 
 
 @dataclass
 class Prefill:
-    """One prefilled context: its token count, its full cache, and the recorded compress inputs."""
+    """One prefilled context: its token count, its full cache, and the recorded compress inputs.
+
+    ``reads`` lists the optional inputs that were recorded; with ``offload`` the recorded tensors live on that
+    device and ``cache`` holds no entries for the recorded layers.
+    """
 
     context_length: int
     cache: object
     inputs: dict
+    reads: frozenset = frozenset({HIDDEN_STATES, ATTENTIONS})
+    offload: Optional[str] = None
+    memo: dict = field(default_factory=dict, repr=False)
+
+    def captured_bytes(self) -> int:
+        """Bytes held by the recorded tensors and the cache (each storage counted once)."""
+        seen, total = set(), 0
+
+        def add(t):
+            nonlocal total
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                key = (t.device, t.untyped_storage().data_ptr())
+                if key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+            elif isinstance(t, (tuple, list)):
+                for x in t:
+                    add(x)
+            elif isinstance(t, dict):
+                for x in t.values():
+                    add(x)
+
+        for _, hidden, keys, values, attentions, kwargs in self.inputs.values():
+            add((hidden, keys, values, attentions, kwargs))
+        for layer in self.cache.layers:
+            add((getattr(layer, "keys", None), getattr(layer, "values", None)))
+        return total
 
 
 class ReplayEngine:
-    """Prefill a context once; answer questions under any press from the recorded compress inputs."""
+    """Prefill a context once; answer questions under any press from the recorded compress inputs.
 
-    def __init__(self, model, tokenizer):
+    ``offload="cpu"`` keeps the recorded tensors on the CPU: the model's device then holds, besides the weights, one
+    layer's uncompressed keys and values at a time and the compressed cache being decoded (see the README's memory
+    section).
+    """
+
+    def __init__(self, model, tokenizer, offload: Optional[str] = None):
+        if offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload!r}")
         self.model = model
         self.tokenizer = tokenizer
+        self.offload = offload
         self.pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=model.device)
 
     def encode(self, context: str, questions: list[str], answer_prefix: str = ""):
         max_len = min(self.tokenizer.model_max_length, int(1e10))
         return self.pipe.preprocess(context, questions, answer_prefix, max_len)
 
-    @torch.no_grad()
-    def prefill(self, context_ids: torch.Tensor) -> Prefill:
+    @torch.inference_mode()
+    def prefill(self, context_ids: torch.Tensor, presses: Optional[Iterable] = None) -> Prefill:
+        """Prefill ``context_ids`` and record the compress inputs that ``presses`` read (all of them when None)."""
         from transformers import DynamicCache
 
-        capture = _CapturePress()
+        reads = frozenset({HIDDEN_STATES, ATTENTIONS}) if presses is None else \
+            frozenset().union(*[press_reads(p) for p in presses])
+        capture = _CapturePress(reads=reads, offload=self.offload)
         cache = DynamicCache()
         with capture(self.model):
             self.model.model(input_ids=context_ids.to(self.model.device), past_key_values=cache)
-        return Prefill(context_ids.shape[1], cache, capture.inputs)
+        return Prefill(context_ids.shape[1], cache, capture.inputs, reads, self.offload)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def compressed_cache(self, state: Prefill, press: Optional[BasePress]):
         """A cache holding ``press``'s compression of ``state`` (the original tensors are not modified)."""
+        missing = press_reads(press) - state.reads
+        if missing:
+            raise ValueError(
+                f"{type(press).__name__} reads {', '.join(sorted(missing))}, which this prefill did not record; "
+                "pass the press to prefill(..., presses=[...])"
+            )
         cache = copy.copy(state.cache)
         cache.layers = [copy.copy(layer) for layer in state.cache.layers]
-        if press is None:
+        if press is None and state.offload is None:
             return cache
-        press.post_init_from_model(self.model)
+        if press is not None:
+            press.post_init_from_model(self.model)
+        device = self.model.device
         for layer_idx, (module, hidden, keys, values, attentions, kwargs) in state.inputs.items():
-            new_keys, new_values = press.compress(module, hidden, keys, values, attentions, kwargs)
+            if state.offload is not None:  # bring one layer back at a time
+                hidden, keys, values, attentions = [
+                    t.to(device) if t is not None and t.device.type != "meta" else t
+                    for t in (hidden, keys, values, attentions)
+                ]
+                if "hidden_states" in kwargs:
+                    kwargs = {**kwargs, "hidden_states": hidden}
+            if press is None:
+                new_keys, new_values = keys, values
+            else:
+                new_keys, new_values = press.compress(module, hidden, keys, values, attentions, kwargs)
             cache.layers[layer_idx].keys = new_keys
             cache.layers[layer_idx].values = new_values
         return cache
 
-    @torch.no_grad()
-    def answer(self, state: Prefill, press: Optional[BasePress], questions_ids: list, max_new_tokens: int):
-        """Greedy answers to every question, exactly as the kvpress pipeline decodes them."""
+    @torch.inference_mode()
+    def answer(self, state: Prefill, press: Optional[BasePress], questions_ids: list, max_new_tokens: int,
+               attention_rows: Optional[dict] = None):
+        """Greedy answers to every question, exactly as the kvpress pipeline decodes them.
+
+        With ``attention_rows`` (a dict), the attention of the first question's last token over every recorded
+        layer's cache is stored in it during the first decoding step (see ``diagnostics.AttentionProbe``).
+        """
+        from .diagnostics import AttentionProbe
+
         cache = self.compressed_cache(state, press)
         answers = []
-        for question_ids in questions_ids:
+        for n, question_ids in enumerate(questions_ids):
             lengths = [cache.get_seq_length(i) for i in range(len(cache))]
-            answers.append(
-                self.pipe.generate_answer(
-                    question_ids=question_ids.to(self.model.device),
-                    cache=cache,
-                    context_length=state.context_length,
-                    max_new_tokens=max_new_tokens,
+            probe = AttentionProbe(self.model, state.inputs, attention_rows) if (n == 0 and attention_rows is not None) \
+                else contextlib.nullcontext()
+            with probe:
+                answers.append(
+                    self.pipe.generate_answer(
+                        question_ids=question_ids.to(self.model.device),
+                        cache=cache,
+                        context_length=state.context_length,
+                        max_new_tokens=max_new_tokens,
+                    )
                 )
-            )
             self.pipe._remove_answer_from_cache(cache, lengths)
         return answers, cache
+
+    @torch.inference_mode()
+    def attention_rows(self, state: Prefill, press: Optional[BasePress], question_ids: torch.Tensor,
+                       cache=None) -> dict:
+        """The question's last-token attention rows over ``press``'s cache (and the cache), from one forward of the
+        question without decoding."""
+        from .diagnostics import AttentionProbe
+
+        cache = cache if cache is not None else self.compressed_cache(state, press)
+        lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+        rows: dict = {}
+        positions = torch.arange(state.context_length, state.context_length + question_ids.shape[1],
+                                 device=self.model.device)[None]
+        with AttentionProbe(self.model, state.inputs, rows):
+            self.model.model(input_ids=question_ids.to(self.model.device), past_key_values=cache,
+                             position_ids=positions)
+        self.pipe._remove_answer_from_cache(cache, lengths)
+        return rows, cache
 
 
 # ------------------------------------------------------------------------------------------------ shards
@@ -307,6 +441,10 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
 
 
 def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
+    from .diagnostics import needle_mass
+
+    # what the unit's presses read decides what the prefill records (offsets do not change it)
+    reads_of = [build_press(spec, ratio, unit.stride, window, 0) for spec, ratio, window in unit_variants]
     prefills: dict[str, Prefill] = {}
     memo: dict[tuple, tuple] = {}
     full_masses: dict[str, float] = {}
@@ -326,26 +464,27 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
                 encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
             context = row["context"]
             if context not in prefills:
-                prefills[context] = engine.prefill(encoded["context_ids"])
+                prefills.clear()  # one prefill at a time: rows are grouped by context
+                prefills[context] = engine.prefill(encoded["context_ids"], presses=reads_of)
+            state = prefills[context]
+            question_ids = encoded["questions_ids"][0]
+            needle = (row["needle_token_start"], row["needle_token_end"])
             offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
             memo_key = (context, spec.label, ratio, window, offset)
             if memo_key not in memo:
                 press = build_press(spec, ratio, unit.stride, window, offset)
-                state = prefills[context]
-                answers, cache = engine.answer(state, press, encoded["questions_ids"], row["max_new_tokens"])
+                rows = {} if config.diagnostics else None
+                answers, cache = engine.answer(state, press, encoded["questions_ids"], row["max_new_tokens"],
+                                               attention_rows=rows)
                 cache_len = cache.get_seq_length(0)
-                mass = None
-                if config.diagnostics:
-                    needle = (row["needle_token_start"], row["needle_token_end"])
-                    mass = needle_attention(engine, state, press, encoded["questions_ids"][0], needle, cache=cache)
+                mass = needle_mass(rows, state, press, cache, needle, question_ids.shape[1]) if rows is not None else None
                 memo[memo_key] = (answers[0], cache_len, mass)
             prediction, cache_len, mass = memo[memo_key]
             full_mass = None
             if config.diagnostics:
                 if context not in full_masses:
-                    needle = (row["needle_token_start"], row["needle_token_end"])
-                    full_masses[context] = needle_attention(engine, prefills[context], None,
-                                                            encoded["questions_ids"][0], needle)
+                    rows, cache = engine.attention_rows(state, None, question_ids)
+                    full_masses[context] = needle_mass(rows, state, None, cache, needle, question_ids.shape[1])
                 full_mass = full_masses[context]
             record.update({
                 "offset": row["offset"], "seed": row["seed"], "depth": row["depth"],

@@ -149,3 +149,89 @@ def test_needle_attention_diagnostic(model, word_tokenizer):
     cache = engine.compressed_cache(state, ours)
     start, end = entry_spans(ours, 0, keys, cache.layers[0].keys)
     assert ((end - start) <= 8).all() and ((end - start) >= 1).all() and (end - start).max() == 4
+
+
+def _row_state(engine, word_tokenizer, phase=3, **prefill_kw):
+    row = generate("niah_single", word_tokenizer, n_samples=1, context_length=200, stride=8, phases=[phase])[0]
+    encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+    return row, encoded, engine.prefill(encoded["context_ids"], **prefill_kw)
+
+
+def test_probe_diagnostic_matches_the_eager_rerun(model, word_tokenizer):
+    """The diagnostic the runner takes from the answer's first decoding step equals the stand-alone eager one."""
+    from kvpress_phase.evaluation.diagnostics import needle_attention, needle_mass
+
+    engine = ReplayEngine(model, word_tokenizer)
+    row, encoded, state = _row_state(engine, word_tokenizer)
+    needle = (row["needle_token_start"], row["needle_token_end"])
+    q = encoded["questions_ids"][0]
+    rows, cache = engine.attention_rows(state, None, q)
+    full = needle_mass(rows, state, None, cache, needle, q.shape[1])
+    assert full == pytest.approx(needle_attention(engine, state, None, q, needle), rel=1e-5, abs=1e-7)
+    assert 0 < full < 1
+    checked = 0
+    for text in PRESSES[1:]:
+        spec = parse_press_spec(text)
+        for ratio in (0.25, 0.75):
+            press = build_press(spec, ratio, 8, None, 2)
+            rows = {}
+            answers, cache = engine.answer(state, press, encoded["questions_ids"], 4, attention_rows=rows)
+            assert sorted(rows) == sorted(state.inputs)
+            fast = needle_mass(rows, state, press, cache, needle, q.shape[1])
+            reference = needle_attention(engine, state, build_press(spec, ratio, 8, None, 2), q, needle)
+            assert fast == pytest.approx(reference, rel=1e-5, abs=1e-7), (text, ratio)
+            # recording changes nothing in the answers
+            assert answers == engine.answer(state, build_press(spec, ratio, 8, None, 2), encoded["questions_ids"], 4)[0]
+            checked += reference > 0
+    assert checked > 5  # not a comparison of zeros
+
+
+def test_probe_rotation_handles_partial_rotary():
+    from kvpress_phase.evaluation.diagnostics import _rotate
+
+    x = torch.randn(1, 2, 3, 8)
+    cos, sin = torch.rand(1, 3, 4), torch.rand(1, 3, 4)
+    out = _rotate(x, cos, sin)
+    assert torch.equal(out[..., 4:], x[..., 4:])
+    half = torch.cat((-x[..., 2:4], x[..., :2]), dim=-1)
+    assert torch.allclose(out[..., :4], x[..., :4] * cos[:, None] + half * sin[:, None])
+
+
+def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
+    from kvpress_phase.evaluation.runner import press_reads
+
+    engine = ReplayEngine(model, word_tokenizer)
+    lean_presses = ["no_press", "chunked_stride", "phase_aware", "knorm", "streaming_llm", "chunk"]
+    built = [build_press(parse_press_spec(t), 0.5, 8, None, 1) for t in lean_presses]
+    row, encoded, full = _row_state(engine, word_tokenizer)
+    lean = engine.prefill(encoded["context_ids"], presses=built)
+    assert "hidden_states" not in lean.reads
+    assert all(hidden.device.type == "meta" for _, hidden, *_ in lean.inputs.values())
+    hidden_bytes = sum(h.numel() * h.element_size() for _, h, *_ in full.inputs.values())
+    assert full.captured_bytes() - lean.captured_bytes() == hidden_bytes > 0
+    for text in lean_presses:
+        spec = parse_press_spec(text)
+        a = engine.answer(full, build_press(spec, 0.5, 8, None, 1), encoded["questions_ids"], 6)[0]
+        b = engine.answer(lean, build_press(spec, 0.5, 8, None, 1), encoded["questions_ids"], 6)[0]
+        assert a == b, text
+    # presses that read the hidden states get them, and a prefill without them refuses such a press
+    for text in ("snapkv", "chunkkv"):
+        assert "hidden_states" in press_reads(build_press(parse_press_spec(text), 0.5, 8, None, 0))
+        with pytest.raises(ValueError, match="hidden_states"):
+            engine.compressed_cache(lean, build_press(parse_press_spec(text), 0.5, 8, None, 0))
+
+
+def test_offloaded_capture_gives_the_same_answers(model, word_tokenizer):
+    engine = ReplayEngine(model, word_tokenizer)
+    offloaded = ReplayEngine(model, word_tokenizer, offload="cpu")
+    row, encoded, state = _row_state(engine, word_tokenizer, phase=5)
+    off_state = offloaded.prefill(encoded["context_ids"])
+    assert all(layer.keys.shape[2] == 0 for layer in off_state.cache.layers)  # the cache itself holds nothing
+    assert off_state.captured_bytes() == state.captured_bytes()
+    for text in PRESSES:
+        spec = parse_press_spec(text)
+        a, cache_a = engine.answer(state, build_press(spec, 0.5, 8, None, 2), encoded["questions_ids"], 6)
+        b, cache_b = offloaded.answer(off_state, build_press(spec, 0.5, 8, None, 2), encoded["questions_ids"], 6)
+        assert a == b and cache_a.get_seq_length(0) == cache_b.get_seq_length(0), text
+    with pytest.raises(ValueError, match="offload"):
+        ReplayEngine(model, word_tokenizer, offload="disk")
