@@ -115,18 +115,23 @@ class AttentionProbe:
         from kvpress.utils import get_prerope_query_states
 
         layer_idx = module.layer_idx
-        if layer_idx in self.rows:  # a later decoding step
+        if layer_idx in self.rows:  # a later forward
             return
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cos, sin = kwargs["position_embeddings"]
         query = _rotate(get_prerope_query_states(module, hidden[:, -1:]), cos[:, -1:], sin[:, -1:])
         keys = kwargs["past_key_values"].layers[layer_idx].keys  # the cache after this step's update
-        keys = keys.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
-        logits = torch.matmul(query, keys.transpose(2, 3)) * module.scaling
+        batch, heads, _, dim = query.shape
+        kv_heads = keys.shape[1]
+        # query heads grouped by the KV head they share, instead of repeating the keys for every query head
+        grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+        logits = torch.matmul(grouped, keys.transpose(2, 3)).reshape(batch, heads, -1) * module.scaling
         softcap = getattr(module.config, "attn_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
-        self.rows[layer_idx] = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)[:, :, 0]
+        self.rows[layer_idx] = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+        if all(idx in self.rows for idx in self.modules):  # done: the decoding steps run without hooks
+            self.__exit__()
 
 
 def needle_mass(rows: dict, state, press, cache, needle: tuple[int, int], query_len: int) -> float:
@@ -141,8 +146,9 @@ def needle_mass(rows: dict, state, press, cache, needle: tuple[int, int], query_
         kept = cache.layers[layer_idx].keys[:, :, :n_entries]
         start, end = entry_spans(press, layer_idx, keys, kept, memo=getattr(state, "memo", None))
         covers = (start < hi) & (end > lo) & (start >= 0)  # (batch, kv_heads, entries)
-        covers = covers.repeat_interleave(row.shape[1] // covers.shape[1], dim=1)
-        masses.append(float((row[:, :, :n_entries] * covers).sum(-1).mean()))
+        batch, heads, _ = row.shape
+        grouped = row[:, :, :n_entries].unflatten(1, (covers.shape[1], heads // covers.shape[1]))
+        masses.append(float((grouped * covers[:, :, None]).sum(-1).mean()))
     return sum(masses) / max(1, len(masses))
 
 

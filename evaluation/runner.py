@@ -254,21 +254,21 @@ class ReplayEngine:
 
     @torch.inference_mode()
     def answer(self, state: Prefill, press: Optional[BasePress], questions_ids: list, max_new_tokens: int,
-               attention_rows: Optional[dict] = None):
+               attention_rows: Optional[dict] = None, cache=None):
         """Greedy answers to every question, exactly as the kvpress pipeline decodes them.
 
         With ``attention_rows`` (a dict), the attention of the first question's last token over every recorded
         layer's cache is stored in it during the first decoding step (see ``diagnostics.AttentionProbe``).
+        ``cache`` is ``compressed_cache(state, press)`` when the caller already has it.
         """
         from .diagnostics import AttentionProbe
 
-        cache = self.compressed_cache(state, press)
+        cache = cache if cache is not None else self.compressed_cache(state, press)
         answers = []
         for n, question_ids in enumerate(questions_ids):
             lengths = [cache.get_seq_length(i) for i in range(len(cache))]
-            probe = AttentionProbe(self.model, state.inputs, attention_rows) if (n == 0 and attention_rows is not None) \
-                else contextlib.nullcontext()
-            with probe:
+            recording = n == 0 and attention_rows is not None
+            with AttentionProbe(self.model, state.inputs, attention_rows) if recording else contextlib.nullcontext():
                 answers.append(
                     self.pipe.generate_answer(
                         question_ids=question_ids.to(self.model.device),
@@ -297,6 +297,31 @@ class ReplayEngine:
                              position_ids=positions)
         self.pipe._remove_answer_from_cache(cache, lengths)
         return rows, cache
+
+
+def cache_fingerprint(state: Prefill, cache) -> tuple:
+    """A key that differs between compressed caches that differ in any recorded layer's entries.
+
+    Per recorded layer: the shapes of keys and values and, for each, the sum over entries of a random projection in
+    float64 weighted by random per-entry weights (a one-ulp change of one element moves it by many ulps of the
+    sum). Two caches with equal keys decode every question identically.
+    """
+    if "fingerprint_vectors" not in state.memo:
+        g = torch.Generator().manual_seed(1234)
+        state.memo["fingerprint_vectors"] = {}
+        state.memo["fingerprint_generator"] = g
+    vectors, g = state.memo["fingerprint_vectors"], state.memo["fingerprint_generator"]
+    sums, shapes = [], []
+    for layer_idx in state.inputs:
+        for t in (cache.layers[layer_idx].keys, cache.layers[layer_idx].values):
+            n, d = t.shape[-2], t.shape[-1]
+            if (n, d) not in vectors:
+                vectors[(n, d)] = (torch.randn(d, generator=g, dtype=torch.float64).to(t.device),
+                                   torch.randn(n, generator=g, dtype=torch.float64).to(t.device))
+            r, w = vectors[(n, d)]
+            sums.append(((t.double() @ r) * w).sum())
+            shapes.append(tuple(t.shape))
+    return tuple(shapes), tuple(torch.stack(sums).tolist()) if sums else ()
 
 
 # ------------------------------------------------------------------------------------------------ shards
@@ -441,15 +466,24 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
 
 
 def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
+    """Answer every (row, variant) of ``unit`` not yet in ``done``, appending one record per answer to ``shard``.
+
+    Rows that share a context share one prefill, and three kinds of reuse keep the answers those of one pipeline
+    call per variant: a variant that does not depend on the row (a press without a grid offset) is answered once
+    per context and question; a variant whose compressed cache equals an earlier one's (``cache_fingerprint``, e.g.
+    an aligned PhaseAwarePress, whose grid does not use the offset) reuses that answer; and the uncompressed
+    reference of the diagnostic comes from the ``no_press`` variant's forward when there is one.
+    """
     from .diagnostics import needle_mass
 
     # what the unit's presses read decides what the prefill records (offsets do not change it)
     reads_of = [build_press(spec, ratio, unit.stride, window, 0) for spec, ratio, window in unit_variants]
     prefills: dict[str, Prefill] = {}
-    memo: dict[tuple, tuple] = {}
-    full_masses: dict[str, float] = {}
+    encodings: dict[tuple, dict] = {}
+    memo: dict[tuple, tuple] = {}  # (context, question, variant, offset) -> (prediction, cache length, mass)
+    decoded: dict[tuple, tuple] = {}  # (context, question, cache fingerprint) -> (prediction, attention rows)
+    full_masses: dict[tuple, float] = {}
     for row in unit.rows:
-        encoded = None
         for spec, ratio, window in unit_variants:
             record = {
                 "task": unit.task, "context_length": unit.context_length, "stride": unit.stride,
@@ -460,32 +494,43 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
             if record["key"] in done:
                 bar.update(1)
                 continue
-            if encoded is None:
-                encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
             context = row["context"]
+            prompt = (context, row["question"], row["answer_prefix"], row["max_new_tokens"])
+            if prompt not in encodings:
+                encodings[prompt] = engine.encode(context, [row["question"]], row["answer_prefix"])
+            encoded = encodings[prompt]
             if context not in prefills:
-                prefills.clear()  # one prefill at a time: rows are grouped by context
+                prefills.clear()  # one prefill at a time: the rows of a unit come grouped by context
                 prefills[context] = engine.prefill(encoded["context_ids"], presses=reads_of)
             state = prefills[context]
             question_ids = encoded["questions_ids"][0]
             needle = (row["needle_token_start"], row["needle_token_end"])
             offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
-            memo_key = (context, spec.label, ratio, window, offset)
+            memo_key = (prompt, spec.label, ratio, window, offset)
             if memo_key not in memo:
                 press = build_press(spec, ratio, unit.stride, window, offset)
-                rows = {} if config.diagnostics else None
-                answers, cache = engine.answer(state, press, encoded["questions_ids"], row["max_new_tokens"],
-                                               attention_rows=rows)
+                cache = engine.compressed_cache(state, press)
                 cache_len = cache.get_seq_length(0)
-                mass = needle_mass(rows, state, press, cache, needle, question_ids.shape[1]) if rows is not None else None
-                memo[memo_key] = (answers[0], cache_len, mass)
+                same_cache = (prompt, cache_fingerprint(state, cache))
+                if same_cache not in decoded:
+                    rows = {} if config.diagnostics else None
+                    answers, cache = engine.answer(state, press, encoded["questions_ids"], row["max_new_tokens"],
+                                                   attention_rows=rows, cache=cache)
+                    decoded[same_cache] = (answers[0], rows)
+                prediction, rows = decoded[same_cache]
+                mass = None
+                if rows is not None:  # the entries' source spans are this press's own
+                    mass = needle_mass(rows, state, press, cache, needle, question_ids.shape[1])
+                    if press is None:  # the uncompressed reference, from the same forward
+                        full_masses[prompt] = mass
+                memo[memo_key] = (prediction, cache_len, mass)
             prediction, cache_len, mass = memo[memo_key]
             full_mass = None
             if config.diagnostics:
-                if context not in full_masses:
+                if prompt not in full_masses:  # no uncompressed variant run for this prompt: one question forward
                     rows, cache = engine.attention_rows(state, None, question_ids)
-                    full_masses[context] = needle_mass(rows, state, None, cache, needle, question_ids.shape[1])
-                full_mass = full_masses[context]
+                    full_masses[prompt] = needle_mass(rows, state, None, cache, needle, question_ids.shape[1])
+                full_mass = full_masses[prompt]
             record.update({
                 "offset": row["offset"], "seed": row["seed"], "depth": row["depth"],
                 "context_tokens": row["context_length"], "answer_token_start": row["answer_token_start"],

@@ -235,3 +235,43 @@ def test_offloaded_capture_gives_the_same_answers(model, word_tokenizer):
         assert a == b and cache_a.get_seq_length(0) == cache_b.get_seq_length(0), text
     with pytest.raises(ValueError, match="offload"):
         ReplayEngine(model, word_tokenizer, offload="disk")
+
+
+def test_cache_fingerprint_tells_caches_apart(model, word_tokenizer):
+    from kvpress_phase.evaluation.runner import cache_fingerprint
+
+    engine = ReplayEngine(model, word_tokenizer)
+    row, encoded, state = _row_state(engine, word_tokenizer)
+    aligned = [engine.compressed_cache(state, build_press(parse_press_spec("phase_aware"), 0.5, 8, None, o))
+               for o in (0, 3)]
+    fixed = [engine.compressed_cache(state, build_press(parse_press_spec("chunked_stride"), 0.5, 8, None, o))
+             for o in (0, 3)]
+    assert cache_fingerprint(state, aligned[0]) == cache_fingerprint(state, aligned[1])  # the offset is unused
+    assert cache_fingerprint(state, fixed[0]) != cache_fingerprint(state, fixed[1])
+    nudged = engine.compressed_cache(state, build_press(parse_press_spec("chunked_stride"), 0.5, 8, None, 0))
+    layer = nudged.layers[len(nudged.layers) - 1]
+    values = layer.values.clone()
+    values[0, -1, 7, 5] = torch.nextafter(values[0, -1, 7, 5], torch.tensor(float("inf")))  # one ulp of one element
+    layer.values = values
+    assert cache_fingerprint(state, nudged) != cache_fingerprint(state, fixed[0])
+    assert cache_fingerprint(state, engine.compressed_cache(state, None)) != cache_fingerprint(state, fixed[0])
+
+
+def test_run_evaluation_gives_the_pipeline_answers(model, word_tokenizer, tmp_path):
+    """End to end, with every reuse the runner makes (offset protocol: one context for all phases)."""
+    presses = ["no_press", "chunked_stride", "phase_aware", "phase_aware:align=false", "knorm", "snapkv"]
+    config = _config(presses=presses, protocol="offset", samples=1, context_lengths=[160])
+    results = run_evaluation(config, model, word_tokenizer, str(tmp_path), progress=False)
+    rows = generate("niah_single", word_tokenizer, n_samples=1, context_length=160, stride=4, phases=[0, 1, 2, 3],
+                    protocol="offset", seed=1)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=word_tokenizer, device="cpu")
+    got = {(r.phase, r.press): r.prediction for r in results.itertuples()}
+    assert len(got) == 4 * len(presses)
+    for row in rows:
+        for text in presses:
+            spec = parse_press_spec(text)
+            offset = row["offset"] if spec.name in ("chunked_stride", "phase_aware") else 0
+            direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"],
+                          press=build_press(spec, 0.5, 4, None, offset), max_new_tokens=row["max_new_tokens"])
+            assert got[(row["phase"], spec.label)] == direct["answer"], (row["phase"], text)
+    assert results["needle_attention_ratio"].notna().all()
