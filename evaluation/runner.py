@@ -8,11 +8,19 @@ cache, and each question is decoded greedily with the pipeline's own ``generate_
 ones a ``pipeline("kv-press-text-generation")(context, question=..., press=...)`` call per variant would give
 (``tests/evaluation/test_runner.py`` checks this).
 
+The prefill records only what the presses under test read (hidden states only for presses that read them, see
+:func:`press_reads`), holds one context at a time, and with ``offload="cpu"`` keeps the recorded tensors in CPU
+memory (README, "Memory of the replay runner", has the peak-memory formula). Variants are decoded once per distinct
+compressed cache (:func:`cache_fingerprint`), and the needle-attention diagnostic is taken from the answer's own
+first decoding step (:class:`~.diagnostics.AttentionProbe`).
+
 Results are appended to ``<output_dir>/results/results-rank<r>.jsonl`` one example at a time, with the run's full
 config in ``<output_dir>/config.json``. A run restarted with the same arguments skips the examples already in the
-shards (a torn last line from a crash is discarded), so nothing is lost or duplicated. Under ``accelerate launch``
-or ``torchrun`` every rank takes every ``world_size``-th work unit and writes its own shard; rank 0 merges the
-shards in a deterministic order once all ranks are done.
+shards (a torn last line from a crash is discarded), so nothing is lost or duplicated. One process writes each shard:
+a run holds an operating-system lock on ``<output_dir>/.kvpress-phase-rank<r>.lock`` (:func:`output_lock`) and a
+second run into the same directory is refused; the lock dies with its process, so a killed run never blocks a
+resume. Under ``accelerate launch`` or ``torchrun`` every rank takes every ``world_size``-th work unit and writes its
+own shard; rank 0 merges the shards in a deterministic order once all ranks are done.
 """
 
 from __future__ import annotations
@@ -369,6 +377,50 @@ def read_results(output_dir: str) -> pd.DataFrame:
     return df.sort_values(order, kind="stable").drop(columns="window_sort").reset_index(drop=True)
 
 
+# ------------------------------------------------------------------------------------------------ one writer
+class OutputDirInUse(ValueError):
+    """Another process is writing to the same output directory (and shard)."""
+
+
+_HELD_LOCKS: dict = {}  # lock path -> [FileLock, depth]: the lock is re-entrant within a process
+
+
+def lock_path(output_dir: str, rank: int = 0) -> str:
+    return os.path.join(os.path.abspath(output_dir), f".kvpress-phase-rank{rank}.lock")
+
+
+@contextlib.contextmanager
+def output_lock(output_dir: str, rank: int = 0):
+    """Hold the lock of ``output_dir``'s shard ``rank``, or raise :class:`OutputDirInUse` at once.
+
+    An operating-system file lock (``flock`` through ``filelock``): it is released when the holder exits, even when
+    it is killed, so a stale lock file never blocks a resume. Re-entrant within one process.
+    """
+    from filelock import FileLock, Timeout
+
+    path = lock_path(output_dir, rank)
+    held = _HELD_LOCKS.get(path)
+    if held is None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock = FileLock(path, timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise OutputDirInUse(
+                f"output directory {output_dir!r} is in use by another run (lock {path}); wait for it to finish "
+                "or use another --output-dir"
+            ) from None
+        held = _HELD_LOCKS[path] = [lock, 0]
+    held[1] += 1
+    try:
+        yield
+    finally:
+        held[1] -= 1
+        if held[1] == 0:
+            del _HELD_LOCKS[path]
+            held[0].release()
+
+
 # ------------------------------------------------------------------------------------------------ the run
 @dataclass
 class WorkUnit:
@@ -423,15 +475,23 @@ def distributed_state():
 
 
 def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, progress: bool = True,
-                   max_units: Optional[int] = None) -> pd.DataFrame:
+                   max_units: Optional[int] = None, offload: Optional[str] = None) -> pd.DataFrame:
     """Run (or resume) ``config`` and return the merged per-example results.
 
-    ``max_units`` stops after that many work units of this rank (used to test interruption).
+    One writer per output directory: the run holds ``output_lock(output_dir, rank)`` and raises
+    :class:`OutputDirInUse` (a ValueError) when another process holds it. ``offload="cpu"`` keeps the recorded
+    prefill on the CPU (see :class:`ReplayEngine`); it changes memory use, not results. ``max_units`` stops after
+    that many work units of this rank (used to test interruption).
     """
-    from tqdm.auto import tqdm
-
     config.validate()
     rank, world, barrier = distributed_state()
+    with output_lock(output_dir, rank):
+        return _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, progress, max_units, offload)
+
+
+def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, progress, max_units, offload):
+    from tqdm.auto import tqdm
+
     os.makedirs(os.path.join(output_dir, RESULTS_DIR), exist_ok=True)
     config_path = os.path.join(output_dir, "config.json")
     saved = {"config": dataclasses.asdict(config), "fingerprint": config.fingerprint()}
@@ -450,7 +510,7 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
     shard_path = os.path.join(output_dir, RESULTS_DIR, f"results-rank{rank}.jsonl")
     done = {r["key"] for r in _read_shard(shard_path)}
     units = plan_units(config, tokenizer)[rank::world]
-    engine = ReplayEngine(model, tokenizer)
+    engine = ReplayEngine(model, tokenizer, offload=offload)
     todo = [(u, v) for u in units for v in [variants(config, u.stride)]]
     bar = tqdm(total=sum(len(u.rows) * len(v) for u, v in todo), disable=not progress or rank != 0,
                desc="phase eval", unit="answer", initial=0)
