@@ -307,6 +307,11 @@ class ReplayEngine:
         return rows, cache
 
 
+KEPT_ROWS_BYTES = 32 * 2**20
+"""The diagnostic's attention rows of a decoded cache are kept for variants with the same cache up to this size;
+larger ones (large models at long context) are recomputed by one question forward when needed."""
+
+
 def cache_fingerprint(state: Prefill, cache) -> tuple:
     """A key that differs between compressed caches that differ in any recorded layer's entries.
 
@@ -572,18 +577,24 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
                 cache = engine.compressed_cache(state, press)
                 cache_len = cache.get_seq_length(0)
                 same_cache = (prompt, cache_fingerprint(state, cache))
-                if same_cache not in decoded:
+                if same_cache in decoded:
+                    prediction, rows = decoded[same_cache]
+                    if config.diagnostics and rows is None:  # rows too large to keep: one question forward
+                        rows, cache = engine.attention_rows(state, press, question_ids, cache=cache)
+                else:
                     rows = {} if config.diagnostics else None
                     answers, cache = engine.answer(state, press, encoded["questions_ids"], row["max_new_tokens"],
                                                    attention_rows=rows, cache=cache)
-                    decoded[same_cache] = (answers[0], rows)
-                prediction, rows = decoded[same_cache]
+                    prediction = answers[0]
+                    small = rows is not None and sum(r.nbytes for r in rows.values()) <= KEPT_ROWS_BYTES
+                    decoded[same_cache] = (prediction, rows if small else None)
                 mass = None
                 if rows is not None:  # the entries' source spans are this press's own
                     mass = needle_mass(rows, state, press, cache, needle, question_ids.shape[1])
                     if press is None:  # the uncompressed reference, from the same forward
                         full_masses[prompt] = mass
                 memo[memo_key] = (prediction, cache_len, mass)
+                del cache, rows  # before the next variant's cache is built
             prediction, cache_len, mass = memo[memo_key]
             full_mass = None
             if config.diagnostics:

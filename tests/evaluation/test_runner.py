@@ -275,3 +275,16 @@ def test_run_evaluation_gives_the_pipeline_answers(model, word_tokenizer, tmp_pa
                           press=build_press(spec, 0.5, 4, None, offset), max_new_tokens=row["max_new_tokens"])
             assert got[(row["phase"], spec.label)] == direct["answer"], (row["phase"], text)
     assert results["needle_attention_ratio"].notna().all()
+
+
+def test_reused_caches_give_the_same_diagnostic_with_or_without_kept_rows(model, word_tokenizer, tmp_path,
+                                                                         monkeypatch):
+    from kvpress_phase.evaluation import runner
+
+    config = _config(presses=["chunked_stride", "phase_aware"], protocol="offset", samples=1, context_lengths=[160])
+    kept = run_evaluation(config, model, word_tokenizer, str(tmp_path / "kept"), progress=False)
+    monkeypatch.setattr(runner, "KEPT_ROWS_BYTES", 0)
+    recomputed = run_evaluation(config, model, word_tokenizer, str(tmp_path / "recomputed"), progress=False)
+    assert kept[["key", "prediction"]].equals(recomputed[["key", "prediction"]])
+    assert kept["needle_attention"].notna().all()
+    assert kept["needle_attention"].tolist() == pytest.approx(recomputed["needle_attention"].tolist(), rel=1e-6)
