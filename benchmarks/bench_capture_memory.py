@@ -165,8 +165,8 @@ def report(rows: list[dict], argv, layers: int, dtype: str, base_intermediate: i
         f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
         f"model: Llama-3.1-8B attention shapes, {layers} layers, {dtype}, sdpa, random weights",
         "",
-        "| tokens | MLP | prefill s | captured MiB (all inputs) | formula MiB | captured MiB (K/V only) | formula MiB | "
-        "prefill peak growth MiB | activations A(n) MiB | decode peak growth MiB, uncompressed / ratio 0.5 |",
+        "| tokens | MLP | prefill s | captured MiB (all inputs) | formula MiB | captured MiB (K/V only) | "
+        "formula MiB | prefill peak growth MiB | activations A(n) MiB | decode peak growth MiB, uncompressed / ratio 0.5 |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r["intermediate"], r["tokens"])):
