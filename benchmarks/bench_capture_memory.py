@@ -128,12 +128,16 @@ def extrapolate(activation_per_token_d: float, activation_per_token_i: float) ->
     hid = lambda n: n * L * HIDDEN * b  # noqa: E731
     act = lambda n: n * b * (activation_per_token_d * HIDDEN + activation_per_token_i * I)  # noqa: E731
 
+    groups = HEADS // KV_HEADS  # the question's forward repeats one layer's keys and values per query head
+
     def peak(n, hidden, offload):
         layer = (kv(n) + (hid(n) if hidden else 0)) / L
-        if offload:  # prefill: one layer in flight; replay: the uncompressed cache being decoded plus one layer
-            return weights + max(act(n) + layer, kv(n) + layer)
+        decode = kv(n) * (1 + (1 + groups) / L)  # the uncompressed variant: its cache, one layer's copy and repeat
+        if offload:  # prefill: one layer in flight; replay: the uncompressed cache being decoded
+            return weights + max(act(n) + layer, decode)
         capture = kv(n) + (hid(n) if hidden else 0)
-        return weights + capture + max(act(n), kv(n))  # decoding the uncompressed variant copies the cache once
+        # decoding the uncompressed variant copies the recorded cache once (the question appends to it)
+        return weights + capture + max(act(n), kv(n) * (1 + groups / L))
 
     def longest(hidden, offload):
         n = 1024
@@ -166,7 +170,8 @@ def report(rows: list[dict], argv, layers: int, dtype: str, base_intermediate: i
         f"model: Llama-3.1-8B attention shapes, {layers} layers, {dtype}, sdpa, random weights",
         "",
         "| tokens | MLP | prefill s | captured MiB (all inputs) | formula MiB | captured MiB (K/V only) | "
-        "formula MiB | prefill peak growth MiB | activations A(n) MiB | decode peak growth MiB, uncompressed / ratio 0.5 |",
+        "formula MiB | prefill peak growth MiB | activations A(n) MiB | "
+        "decode peak growth MiB, uncompressed / ratio 0.5 |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(rows, key=lambda r: (r["intermediate"], r["tokens"])):
