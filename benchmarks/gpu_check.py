@@ -128,10 +128,13 @@ def _config_model(small: bool, attn: str, vocab: int, device: str):
         shape = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      intermediate_size=14336)
     config = LlamaConfig(num_hidden_layers=2, vocab_size=vocab, max_position_embeddings=131072, rope_theta=500000.0,
-                         attn_implementation=attn, **shape)
+                         attn_implementation="sdpa", **shape)
     torch.manual_seed(0)
     dtype = torch.float32 if small else torch.bfloat16
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    if attn != "sdpa":  # flash-attention checks the dtype and device, so switch once the model is on the GPU
+        model.set_attn_implementation(attn)
+    return model
 
 
 def step_pipeline(ctx):
