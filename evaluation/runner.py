@@ -290,7 +290,7 @@ class ReplayEngine:
 
     @torch.inference_mode()
     def attention_rows(self, state: Prefill, press: Optional[BasePress], question_ids: torch.Tensor,
-                       cache=None) -> dict:
+                       cache=None) -> tuple:
         """The question's last-token attention rows over ``press``'s cache (and the cache), from one forward of the
         question without decoding."""
         from .diagnostics import AttentionProbe
