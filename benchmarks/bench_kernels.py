@@ -57,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--backends", default=None, help="default triton,torch on GPU and torch on CPU (triton on CPU "
                    "needs TRITON_INTERPRET=1 and only checks that the script runs)")
     p.add_argument("--output", default=None, help="also write the markdown report to this file")
+    p.add_argument("--json", default=None, help="also write the measured rows to this JSON file")
     args = p.parse_args(argv)
     gpu = args.device.startswith("cuda")
     args.sizes = [int(s) for s in (args.sizes or ("8192,32768,131072" if gpu else "4096,16384")).split(",")]
@@ -204,6 +205,13 @@ def main(argv=None) -> str:
     if args.output:
         with open(args.output, "w") as f:
             f.write(report + "\n")
+    if args.json:
+        import json
+
+        keys = ("n", "op", "backend", "seconds", "bytes_per_s", "speedup_vs_torch", "fraction_of_copy", "max_abs_diff")
+        with open(args.json, "w") as f:
+            json.dump({"device": dev_name, "dtype": str(args.dtype).replace("torch.", ""),
+                       "rows": [dict(zip(keys, row)) for row in rows]}, f, indent=2)
     return report
 
 

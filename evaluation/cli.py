@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-diagnostics", action="store_true",
                     help="skip the needle-attention diagnostic (faster; accuracy is unchanged)")
     ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs (default: 2000)")
+    ev.add_argument("--offload", choices=["none", "cpu"], default="none",
+                    help="cpu: keep each context's recorded prefill in CPU memory instead of on the model's device, "
+                         "for large models at long context; same results (default: none)")
     ev.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     rp = sub.add_parser("report", help="summarise finished runs again (merged, with today's statistics)",
@@ -234,18 +237,25 @@ def _cmd_eval(args) -> int:
         raise UsageError(str(exc)) from None
     device = _resolve_device(args.device)
     _check_output_dir(args.output_dir)
-    model, tokenizer = load_model(args.model, device, args.dtype)
-    try:
-        results = run_evaluation(config, model, tokenizer, args.output_dir, progress=not args.no_progress)
-    except ValueError as exc:  # e.g. an output directory holding another configuration's results
-        raise UsageError(str(exc)) from None
-    from .runner import distributed_state
+    from .runner import distributed_state, output_lock
 
     rank, _, _ = distributed_state()
-    if rank != 0:
-        return 0
-    records = write_reports(results, args.output_dir, dataclasses.asdict(config), n_resamples=args.bootstrap,
-                            seed=args.seed)
+    with contextlib.ExitStack() as held:
+        try:  # one writer per output directory, from before the model loads until the reports are written
+            held.enter_context(output_lock(args.output_dir, rank))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        model, tokenizer = load_model(args.model, device, args.dtype)
+        offload = None if args.offload == "none" else args.offload
+        try:
+            results = run_evaluation(config, model, tokenizer, args.output_dir, progress=not args.no_progress,
+                                     offload=offload)
+        except ValueError as exc:  # e.g. an output directory holding another configuration's results
+            raise UsageError(str(exc)) from None
+        if rank != 0:
+            return 0
+        records = write_reports(results, args.output_dir, dataclasses.asdict(config), n_resamples=args.bootstrap,
+                                seed=args.seed)
     print(console_table(records))
     print(f"\nreport: {os.path.join(args.output_dir, 'report.md')}")
     return 0

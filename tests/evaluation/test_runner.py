@@ -165,3 +165,143 @@ def test_context_longer_than_the_builtin_model_positions_says_what_it_was_traine
     builtin, _ = load_builtin_model()
     with pytest.warns(UserWarning, match=r"\(4096\), and the built-in model was trained on sequences of up to 2048"):
         check_context_lengths(EvalConfig(context_lengths=[100_000]), builtin)
+
+
+def _row_state(engine, word_tokenizer, phase=3, **prefill_kw):
+    row = generate("niah_single", word_tokenizer, n_samples=1, context_length=200, stride=8, phases=[phase])[0]
+    encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+    return row, encoded, engine.prefill(encoded["context_ids"], **prefill_kw)
+
+
+def test_probe_diagnostic_matches_the_eager_rerun(model, word_tokenizer):
+    """The diagnostic the runner takes from the answer's first decoding step equals the stand-alone eager one."""
+    from kvpress_phase.evaluation.diagnostics import needle_attention, needle_mass
+
+    engine = ReplayEngine(model, word_tokenizer)
+    row, encoded, state = _row_state(engine, word_tokenizer)
+    needle = (row["needle_token_start"], row["needle_token_end"])
+    q = encoded["questions_ids"][0]
+    rows, cache = engine.attention_rows(state, None, q)
+    full = needle_mass(rows, state, None, cache, needle, q.shape[1])
+    assert full == pytest.approx(needle_attention(engine, state, None, q, needle), rel=1e-5, abs=1e-7)
+    assert 0 < full < 1
+    checked = 0
+    for text in PRESSES[1:]:
+        spec = parse_press_spec(text)
+        for ratio in (0.25, 0.75):
+            press = build_press(spec, ratio, 8, None, 2)
+            rows = {}
+            answers, cache = engine.answer(state, press, encoded["questions_ids"], 4, attention_rows=rows)
+            assert sorted(rows) == sorted(state.inputs)
+            fast = needle_mass(rows, state, press, cache, needle, q.shape[1])
+            reference = needle_attention(engine, state, build_press(spec, ratio, 8, None, 2), q, needle)
+            assert fast == pytest.approx(reference, rel=1e-5, abs=1e-7), (text, ratio)
+            # recording changes nothing in the answers
+            assert answers == engine.answer(state, build_press(spec, ratio, 8, None, 2), encoded["questions_ids"], 4)[0]
+            checked += reference > 0
+    assert checked > 5  # not a comparison of zeros
+
+
+def test_probe_rotation_handles_partial_rotary():
+    from kvpress_phase.evaluation.diagnostics import _rotate
+
+    x = torch.randn(1, 2, 3, 8)
+    cos, sin = torch.rand(1, 3, 4), torch.rand(1, 3, 4)
+    out = _rotate(x, cos, sin)
+    assert torch.equal(out[..., 4:], x[..., 4:])
+    half = torch.cat((-x[..., 2:4], x[..., :2]), dim=-1)
+    assert torch.allclose(out[..., :4], x[..., :4] * cos[:, None] + half * sin[:, None])
+
+
+def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
+    from kvpress_phase.evaluation.runner import press_reads
+
+    engine = ReplayEngine(model, word_tokenizer)
+    lean_presses = ["no_press", "chunked_stride", "phase_aware:scorer=knorm", "phase_aware:budget=window:scorer=knorm",
+                    "knorm", "streaming_llm", "chunk"]
+    built = [build_press(parse_press_spec(t), 0.5, 8, None, 1) for t in lean_presses]
+    row, encoded, full = _row_state(engine, word_tokenizer)
+    lean = engine.prefill(encoded["context_ids"], presses=built)
+    assert "hidden_states" not in lean.reads
+    assert all(hidden.device.type == "meta" for _, hidden, *_ in lean.inputs.values())
+    hidden_bytes = sum(h.numel() * h.element_size() for _, h, *_ in full.inputs.values())
+    assert full.captured_bytes() - lean.captured_bytes() == hidden_bytes > 0
+    for text in lean_presses:
+        spec = parse_press_spec(text)
+        a = engine.answer(full, build_press(spec, 0.5, 8, None, 1), encoded["questions_ids"], 6)[0]
+        b = engine.answer(lean, build_press(spec, 0.5, 8, None, 1), encoded["questions_ids"], 6)[0]
+        assert a == b, text
+    # presses that read the hidden states get them, and a prefill without them refuses such a press
+    for text in ("snapkv", "chunkkv", "phase_aware"):  # phase_aware's default scorer is SnapKV's
+        assert "hidden_states" in press_reads(build_press(parse_press_spec(text), 0.5, 8, None, 0))
+        with pytest.raises(ValueError, match="hidden_states"):
+            engine.compressed_cache(lean, build_press(parse_press_spec(text), 0.5, 8, None, 0))
+
+
+def test_offloaded_capture_gives_the_same_answers(model, word_tokenizer):
+    engine = ReplayEngine(model, word_tokenizer)
+    offloaded = ReplayEngine(model, word_tokenizer, offload="cpu")
+    row, encoded, state = _row_state(engine, word_tokenizer, phase=5)
+    off_state = offloaded.prefill(encoded["context_ids"])
+    assert all(layer.keys.shape[2] == 0 for layer in off_state.cache.layers)  # the cache itself holds nothing
+    assert off_state.captured_bytes() == state.captured_bytes()
+    for text in PRESSES:
+        spec = parse_press_spec(text)
+        a, cache_a = engine.answer(state, build_press(spec, 0.5, 8, None, 2), encoded["questions_ids"], 6)
+        b, cache_b = offloaded.answer(off_state, build_press(spec, 0.5, 8, None, 2), encoded["questions_ids"], 6)
+        assert a == b and cache_a.get_seq_length(0) == cache_b.get_seq_length(0), text
+    with pytest.raises(ValueError, match="offload"):
+        ReplayEngine(model, word_tokenizer, offload="disk")
+
+
+def test_cache_fingerprint_tells_caches_apart(model, word_tokenizer):
+    from kvpress_phase.evaluation.runner import cache_fingerprint
+
+    engine = ReplayEngine(model, word_tokenizer)
+    row, encoded, state = _row_state(engine, word_tokenizer)
+    aligned = [engine.compressed_cache(state, build_press(parse_press_spec("phase_aware"), 0.5, 8, None, o))
+               for o in (0, 3)]
+    fixed = [engine.compressed_cache(state, build_press(parse_press_spec("chunked_stride"), 0.5, 8, None, o))
+             for o in (0, 3)]
+    assert cache_fingerprint(state, aligned[0]) == cache_fingerprint(state, aligned[1])  # the offset is unused
+    assert cache_fingerprint(state, fixed[0]) != cache_fingerprint(state, fixed[1])
+    nudged = engine.compressed_cache(state, build_press(parse_press_spec("chunked_stride"), 0.5, 8, None, 0))
+    layer = nudged.layers[len(nudged.layers) - 1]
+    values = layer.values.clone()
+    values[0, -1, 7, 5] = torch.nextafter(values[0, -1, 7, 5], torch.tensor(float("inf")))  # one ulp of one element
+    layer.values = values
+    assert cache_fingerprint(state, nudged) != cache_fingerprint(state, fixed[0])
+    assert cache_fingerprint(state, engine.compressed_cache(state, None)) != cache_fingerprint(state, fixed[0])
+
+
+def test_run_evaluation_gives_the_pipeline_answers(model, word_tokenizer, tmp_path):
+    """End to end, with every reuse the runner makes (offset protocol: one context for all phases)."""
+    presses = ["no_press", "chunked_stride", "phase_aware", "phase_aware:align=false", "knorm", "snapkv"]
+    config = _config(presses=presses, protocol="offset", samples=1, context_lengths=[160])
+    results = run_evaluation(config, model, word_tokenizer, str(tmp_path), progress=False)
+    rows = generate("niah_single", word_tokenizer, n_samples=1, context_length=160, stride=4, phases=[0, 1, 2, 3],
+                    protocol="offset", seed=1)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=word_tokenizer, device="cpu")
+    got = {(r.phase, r.press): r.prediction for r in results.itertuples()}
+    assert len(got) == 4 * len(presses)
+    for row in rows:
+        for text in presses:
+            spec = parse_press_spec(text)
+            offset = row["offset"] if spec.name in ("chunked_stride", "phase_aware") else 0
+            direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"],
+                          press=build_press(spec, 0.5, 4, None, offset), max_new_tokens=row["max_new_tokens"])
+            assert got[(row["phase"], spec.label)] == direct["answer"], (row["phase"], text)
+    assert results["needle_attention_ratio"].notna().all()
+
+
+def test_reused_caches_give_the_same_diagnostic_with_or_without_kept_rows(model, word_tokenizer, tmp_path,
+                                                                         monkeypatch):
+    from kvpress_phase.evaluation import runner
+
+    config = _config(presses=["chunked_stride", "phase_aware"], protocol="offset", samples=1, context_lengths=[160])
+    kept = run_evaluation(config, model, word_tokenizer, str(tmp_path / "kept"), progress=False)
+    monkeypatch.setattr(runner, "KEPT_ROWS_BYTES", 0)
+    recomputed = run_evaluation(config, model, word_tokenizer, str(tmp_path / "recomputed"), progress=False)
+    assert kept[["key", "prediction"]].equals(recomputed[["key", "prediction"]])
+    assert kept["needle_attention"].notna().all()
+    assert kept["needle_attention"].tolist() == pytest.approx(recomputed["needle_attention"].tolist(), rel=1e-6)

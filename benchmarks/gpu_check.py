@@ -1,0 +1,333 @@
+"""The GPU check: one command that exercises everything a GPU changes, and writes one JSON and one Markdown summary.
+
+    python benchmarks/gpu_check.py                # one CUDA GPU, at most about 8 minutes
+    python benchmarks/gpu_check.py --small        # the same steps on tiny shapes on the CPU (seconds; run in CI)
+
+Steps, each recorded with its status, duration and figures (a failed step does not stop the others):
+
+1. ``parity``: the kernel parity tests on the GPU (``KVPRESS_PHASE_TEST_CUDA=1 pytest tests/kernels``). Small mode:
+   Triton against the PyTorch reference for select and every pool variant on tiny shapes, through Triton's
+   interpreter.
+2. ``kernels``: ``benchmarks/bench_kernels.py``: bfloat16 keys/values (1, 8, N, 128) at N = 8k, 32k and 128k,
+   Triton and the reference, with GB/s against a device-to-device copy measured in the same run and the speed-up
+   over the reference. Small mode: float32, N = 256, both backends (the interpreter times nothing meaningful).
+3. ``pipeline``: ``ChunkedStridePress`` and ``PhaseAwarePress`` through ``pipeline("kv-press-text-generation")`` on
+   a bfloat16 Llama built from a config (Llama-3.1-8B's attention shapes, 2 layers, random weights) at 8k tokens,
+   with sdpa and, where the ``flash_attn`` package is installed, flash-attention 2; each with the Triton and the
+   PyTorch backend: every layer's cache length must equal the README's formula, and the two backends' caches must
+   agree within bfloat16 tolerance. Small mode: a tiny float32 model at 128 tokens, sdpa.
+4. ``eval``: the default evaluation (``kvpress-phase eval`` with no arguments) with ``--device cuda``, with its
+   answers per second. Small mode: a one-sample, three-press evaluation on the CPU.
+
+The summaries go to ``<output-dir>/gpu_check.json`` and ``<output-dir>/gpu_check.md``. Exit code 0 when every step
+passed (a step is skipped only where something optional, such as flash-attention, is not installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUDGET_S = 480  # the whole check on one GPU
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (CI)")
+    p.add_argument("--output-dir", default=os.path.join("outputs", "gpu-check"))
+    p.add_argument("--steps", default="parity,kernels,pipeline,eval", help="comma-separated subset of the steps")
+    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check (default: 480)")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------------- steps
+def step_parity(ctx):
+    import torch
+
+    if not ctx["small"]:
+        env = dict(os.environ, KVPRESS_PHASE_TEST_CUDA="1")
+        env.pop("TRITON_INTERPRET", None)
+        cmd = [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests", "kernels"), "-q", "-p", "no:cacheprovider"]
+        job = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=ctx["timeout"](240))
+        summary = (job.stdout.strip().splitlines() or [""])[-1]
+        if job.returncode != 0 or "passed" not in summary:
+            raise AssertionError(f"pytest exit {job.returncode}: {summary}\n{job.stdout[-3000:]}{job.stderr[-2000:]}")
+        return {"pytest": summary}
+
+    from kvpress_phase import kernels
+    from kvpress_phase.phase import WindowLayout
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 2, 100, 16, generator=g), torch.randn(2, 2, 100, 16, generator=g)
+    scores = torch.randn(2, 2, 100, generator=g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    checked = {}
+    cases = {"select": (8, "select", "mean", "none"), "pool-mean": (8, "pool", "mean", "none"),
+             "pool-score-centroid": (8, "pool", "score", "centroid"), "pool-overlap": (16, "pool", "mean", "start")}
+    for name, (window, mode, weighting, rope) in cases.items():
+        layout = WindowLayout.build(100, window=window, stride=8, k=4, offsets=torch.tensor([[0, 3], [5, 7]]),
+                                    n_sink=4, n_local=8, batch=2, heads=2)
+        outs = {}
+        for backend in ("triton", "torch"):
+            if mode == "select":
+                outs[backend] = kernels.select_windows(keys, values, scores, layout, backend=backend)
+            else:
+                outs[backend] = kernels.pool_windows(keys, values, layout, scores=scores, weighting=weighting,
+                                                     rope=rope, inv_freq=inv_freq, backend=backend)
+        a, b = outs["triton"], outs["torch"]
+        if not torch.equal(a.positions, b.positions):
+            raise AssertionError(f"{name}: positions differ")
+        diff = max((x - y).abs().max().item() for x, y in zip(a[:2], b[:2]))
+        if diff > 1e-4:
+            raise AssertionError(f"{name}: max abs difference {diff:.2e} > 1e-4")
+        checked[name] = f"{diff:.1e}"
+    return {"max_abs_diff": checked}
+
+
+def step_kernels(ctx):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_kernels
+
+    path = os.path.join(ctx["out"], "kernels.json")
+    if ctx["small"]:
+        argv = ["--device", "cpu", "--sizes", "256", "--backends", "triton,torch", "--warmup", "0", "--repeats", "1"]
+    else:
+        argv = ["--device", "cuda", "--dtype", "bfloat16", "--sizes", "8192,32768,131072"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        bench_kernels.main(argv + ["--json", path, "--output", os.path.join(ctx["out"], "kernels.md")])
+    with open(path) as fh:
+        measured = json.load(fh)
+    rows = measured["rows"]
+    diffs = [r for r in rows if r["backend"] == "triton" and "differ" in (r["max_abs_diff"] or "")]
+    if diffs:
+        raise AssertionError(f"Triton and reference positions differ: {diffs}")
+    table = [{"n": r["n"], "op": r["op"], "backend": r["backend"], "us": round(r["seconds"] * 1e6, 1),
+              "GB/s": round(r["bytes_per_s"] / 1e9, 1), "of_copy": round(r["fraction_of_copy"], 3),
+              "speedup_vs_torch": None if r["speedup_vs_torch"] is None else round(r["speedup_vs_torch"], 2),
+              "max_abs_diff": r["max_abs_diff"]} for r in rows]
+    return {"device": measured["device"], "dtype": measured["dtype"], "rows": table}
+
+
+def _config_model(small: bool, attn: str, vocab: int, device: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if small:
+        shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    else:  # Llama-3.1-8B's layer shapes
+        shape = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     intermediate_size=14336)
+    config = LlamaConfig(num_hidden_layers=2, vocab_size=vocab, max_position_embeddings=131072, rope_theta=500000.0,
+                         attn_implementation="sdpa", **shape)
+    torch.manual_seed(0)
+    dtype = torch.float32 if small else torch.bfloat16
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    if attn != "sdpa":  # flash-attention checks the dtype and device, so switch once the model is on the GPU
+        model.set_attn_implementation(attn)
+    return model
+
+
+def step_pipeline(ctx):
+    import torch
+    from transformers import DynamicCache, pipeline
+    from transformers.utils import is_flash_attn_2_available
+
+    from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+    from kvpress_phase.evaluation.tasks import generate
+    from kvpress_phase.evaluation.tokenizer import build_tokenizer
+    from kvpress_phase.phase import kept_per_window
+
+    small, device = ctx["small"], ctx["device"]
+    n_tokens = 128 if small else 8192
+    tok = build_tokenizer()
+    row = generate("niah_single", tok, n_samples=1, context_length=n_tokens, stride=8, phases=[3], seed=0)[0]
+    impls = ["sdpa"]
+    skipped = {}
+    if not small:
+        if is_flash_attn_2_available():
+            impls.append("flash_attention_2")
+        else:
+            skipped["flash_attention_2"] = "the flash_attn package is not installed"
+    presses = {"ChunkedStridePress": lambda b: ChunkedStridePress(0.5, stride=8, backend=b),
+               "PhaseAwarePress": lambda b: PhaseAwarePress(0.5, stride=8, backend=b)}
+    tol = dict(rtol=1e-5, atol=1e-4) if small else dict(rtol=1e-2, atol=1e-2)  # as tests/kernels
+    results = []
+    for attn in impls:
+        model = _config_model(small, attn, len(tok), device)
+        pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device=model.device)
+        for name, make in presses.items():
+            caches, answers, times = {}, {}, {}
+            for backend in ("triton", "torch"):
+                if not small:  # compile and warm up
+                    pipe(row["context"], question=row["question"], press=make(backend), max_new_tokens=2)
+                    torch.cuda.synchronize()
+                cache = DynamicCache()
+                t0 = time.perf_counter()
+                answers[backend] = pipe(row["context"], question=row["question"], press=make(backend),
+                                        max_new_tokens=8, cache=cache)["answer"]
+                if not small:
+                    torch.cuda.synchronize()
+                times[backend] = time.perf_counter() - t0
+                caches[backend] = cache
+            n = len(pipe.preprocess(row["context"], [row["question"]], "", 1 << 30)["context_ids"][0])
+            press = make("torch")
+            span = n - press.n_sink - press.n_local
+            n_windows = max(0, (span - press.stride + 1) // press.stride)
+            expected = n - n_windows * (press.stride - kept_per_window(press.stride, press.compression_ratio))
+            lengths = sorted({caches[b].get_seq_length(i) for b in caches for i in range(len(caches[b]))})
+            if lengths != [expected]:
+                raise AssertionError(f"{attn} {name}: cache lengths {lengths}, expected {expected} for {n} tokens")
+            pairs = [(getattr(caches["triton"].layers[i], t).float(), getattr(caches["torch"].layers[i], t).float())
+                     for i in range(len(caches["torch"])) for t in ("keys", "values")]
+            diff = max((a - b).abs().max().item() for a, b in pairs)
+            if not all(torch.allclose(a, b, **tol) for a, b in pairs):
+                raise AssertionError(f"{attn} {name}: Triton and reference caches differ (max abs {diff:.2e}) "
+                                     f"beyond {tol}")
+            results.append({"attention": attn, "press": name, "context_tokens": n, "cache_length": expected,
+                            "max_abs_diff_triton_vs_torch": f"{diff:.1e}",
+                            "same_answer": answers["triton"] == answers["torch"],
+                            "seconds_triton": round(times["triton"], 3), "seconds_torch": round(times["torch"], 3)})
+        del model, pipe
+        if not small:
+            torch.cuda.empty_cache()
+    return {"dtype": "float32" if small else "bfloat16", "runs": results, "skipped": skipped}
+
+
+def step_eval(ctx):
+    import pandas as pd
+
+    from kvpress_phase.evaluation import cli
+
+    out = os.path.join(ctx["out"], "eval")
+    if ctx["small"]:
+        argv = ["eval", "--device", "cpu", "--tasks", "niah_single", "--presses", "no_press,chunked_stride,phase_aware",
+                "--strides", "4", "--context-lengths", "64", "--samples", "1", "--bootstrap", "100"]
+    else:
+        argv = ["eval", "--device", "cuda"]
+    argv += ["--output-dir", out, "--no-progress"]
+    if os.path.exists(os.path.join(out, "config.json")):  # a fresh run, not a resume
+        import shutil
+
+        shutil.rmtree(out)
+    t0 = time.perf_counter()
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    seconds = time.perf_counter() - t0
+    if code != 0:
+        raise AssertionError(f"kvpress-phase {' '.join(argv)} exited {code}: {err.getvalue()[-2000:]}")
+    answers = len(pd.read_csv(os.path.join(out, "results.csv")))
+    return {"command": "kvpress-phase " + " ".join(argv), "answers": answers, "seconds": round(seconds, 1),
+            "answers_per_s": round(answers / seconds, 1)}
+
+
+STEPS = {"parity": step_parity, "kernels": step_kernels, "pipeline": step_pipeline, "eval": step_eval}
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def _markdown(summary) -> str:
+    lines = [f"# GPU check ({'small, CPU' if summary['small'] else 'GPU'})", "",
+             f"- device: {summary['device_name']}", f"- versions: {summary['versions']}",
+             f"- date: {summary['date']}", f"- command: `{summary['command']}`",
+             f"- total: {summary['seconds']:.0f} s; result: {'passed' if summary['passed'] else 'FAILED'}", "",
+             "| step | status | seconds |", "|---|---|---:|"]
+    for name, step in summary["steps"].items():
+        lines.append(f"| {name} | {step['status']} | {step['seconds']:.1f} |")
+    for name, step in summary["steps"].items():
+        lines += ["", f"## {name}", ""]
+        if step["status"] == "failed":
+            lines += ["```", step["error"][-3000:], "```"]
+            continue
+        result = step.get("result") or {}
+        if name == "kernels" and result:
+            lines += [f"{result['device']}, {result['dtype']}", "",
+                      "| N | op | backend | time (us) | GB/s | of copy | speed-up vs reference | max abs diff |",
+                      "|---:|---|---|---:|---:|---:|---:|---:|"]
+            for r in result["rows"]:
+                sp = "" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.1f}x"
+                lines.append(f"| {r['n']} | {r['op']} | {r['backend']} | {r['us']} | {r['GB/s']} | "
+                             f"{r['of_copy']:.0%} | {sp} | {r['max_abs_diff'] or ''} |")
+        elif name == "pipeline" and result:
+            lines += ["| attention | press | tokens | cache length | max abs diff Triton vs torch | same answer | "
+                      "s (Triton) | s (torch) |", "|---|---|---:|---:|---:|---|---:|---:|"]
+            for r in result["runs"]:
+                lines.append(f"| {r['attention']} | {r['press']} | {r['context_tokens']} | {r['cache_length']} | "
+                             f"{r['max_abs_diff_triton_vs_torch']} | {r['same_answer']} | {r['seconds_triton']} | "
+                             f"{r['seconds_torch']} |")
+            for what, why in result.get("skipped", {}).items():
+                lines.append(f"\nSkipped {what}: {why}.")
+        else:
+            lines += ["```", json.dumps(result, indent=2), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.small:  # before anything imports triton: the kernels then run on CPU tensors through the interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if not args.small and not torch.cuda.is_available():
+        print("gpu_check: error: no CUDA device is available; --small runs the CPU version", file=sys.stderr)
+        return 2
+    unknown = set(args.steps.split(",")) - set(STEPS)
+    if unknown:
+        print(f"gpu_check: error: unknown steps {sorted(unknown)}; valid: {', '.join(STEPS)}", file=sys.stderr)
+        return 2
+    os.makedirs(args.output_dir, exist_ok=True)
+    start = time.perf_counter()
+
+    def timeout(seconds):
+        return max(1.0, min(seconds, args.budget - (time.perf_counter() - start)))
+
+    ctx = {"small": args.small, "device": "cpu" if args.small else "cuda", "out": args.output_dir, "timeout": timeout}
+    steps = {}
+    for name in args.steps.split(","):
+        t0 = time.perf_counter()
+        try:
+            steps[name] = {"status": "ok", "result": STEPS[name](ctx)}
+        except Exception as exc:  # noqa: BLE001 - record every step's failure and go on
+            steps[name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        steps[name]["seconds"] = time.perf_counter() - t0
+        print(f"gpu_check: {name}: {steps[name]['status']} ({steps[name]['seconds']:.1f} s)", flush=True)
+
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_version = "not installed"
+    summary = {
+        "small": args.small,
+        "device_name": torch.cuda.get_device_name(0) if not args.small else f"cpu ({platform.machine()})",
+        "versions": f"torch {torch.__version__}, triton {triton_version}, transformers {transformers.__version__}, "
+                    f"python {platform.python_version()}",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(["python", "benchmarks/gpu_check.py"] + (argv if argv is not None else sys.argv[1:])),
+        "seconds": time.perf_counter() - start,
+        "passed": all(s["status"] == "ok" for s in steps.values()),
+        "steps": steps,
+    }
+    with open(os.path.join(args.output_dir, "gpu_check.json"), "w") as fh:
+        json.dump(summary, fh, indent=2, default=str)
+    with open(os.path.join(args.output_dir, "gpu_check.md"), "w") as fh:
+        fh.write(_markdown(summary))
+    print(f"gpu_check: {'passed' if summary['passed'] else 'FAILED'} in {summary['seconds']:.0f} s; "
+          f"{os.path.join(args.output_dir, 'gpu_check.md')}")
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""The GPU check's small mode: every step of `benchmarks/gpu_check.py` on tiny shapes on the CPU, so it cannot rot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+pytest.importorskip("triton", reason="the check runs the Triton kernels (interpreted on the CPU)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_small_mode_runs_every_step(tmp_path):
+    gpu_check = _load()
+    assert gpu_check.main(["--small", "--output-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["passed"] and summary["small"]
+    assert list(summary["steps"]) == ["parity", "kernels", "pipeline", "eval"]
+    assert all(step["status"] == "ok" for step in summary["steps"].values())
+    kernels = summary["steps"]["kernels"]["result"]["rows"]
+    assert {r["op"] for r in kernels} == {"copy k+v", "select", "pool-mean", "pool-score-centroid", "pool-overlap"}
+    assert any(r["backend"] == "triton" and r["speedup_vs_torch"] for r in kernels)
+    runs = summary["steps"]["pipeline"]["result"]["runs"]
+    assert {r["press"] for r in runs} == {"ChunkedStridePress", "PhaseAwarePress"}
+    assert summary["steps"]["eval"]["result"]["answers"] == 4 * 3  # phases x presses
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "| parity | ok |" in markdown and "| eval | ok |" in markdown
+
+
+def test_a_failing_step_fails_the_check(tmp_path, monkeypatch):
+    gpu_check = _load()
+
+    def broken(ctx):
+        raise AssertionError("kernel output differs")
+
+    monkeypatch.setitem(gpu_check.STEPS, "parity", broken)
+    assert gpu_check.main(["--small", "--steps", "parity", "--output-dir", str(tmp_path)]) == 1
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    parity = summary["steps"]["parity"]
+    assert parity["status"] == "failed" and "kernel output differs" in parity["error"]
+    assert "FAILED" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_full_mode_needs_a_gpu(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert _load().main(["--output-dir", str(tmp_path)]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
