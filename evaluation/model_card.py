@@ -232,5 +232,97 @@ def main(argv=None) -> int:
     return 0
 
 
+
+
+# ------------------------------------------------------------------------------------------- fine-tuned models
+
+CARD_PRESSES = ("no_press", "chunked_stride", "snapkv")
+
+
+def render_finetuned(model_dir: str, study_dirs: list, name: str) -> str:
+    """The card of a model trained by ``kvpress-phase train``: its recipe and training log (``training_log.json``)
+    and the accuracy of ``no_press``, ``chunked_stride`` and ``snapkv`` in the evaluation runs ``study_dirs``
+    (each an output directory of ``kvpress-phase eval`` holding ``summary.json``)."""
+    import pandas as pd
+
+    with open(os.path.join(model_dir, "training_log.json")) as fh:
+        log = json.load(fh)
+    config, history = log["config"], log["history"]
+    minutes = history[-1]["time"] / 60 if history else float("nan")
+    hist = pd.DataFrame(history)
+    hist["ratio"] = hist["ratios"].str[0]
+    half = len(hist) // 2
+    acc = hist.assign(part=["first half" if i < half else "second half" for i in range(len(hist))]).pivot_table(
+        index="ratio", columns="part", values="acc", aggfunc="mean")
+    size = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
+               if f.endswith(".safetensors"))
+    out = [
+        f"# Model card: built-in model `{name}`", "",
+        f"The built-in model fine-tuned with `{config['press']}` in the loop (`kvpress-phase train`, "
+        "`evaluation/finetune.py`): contexts are prefilled under the press, question and answer run on the "
+        "compressed cache at their true positions, and the loss is on the answer tokens and EOS. "
+        f"Load it with `--model {name}` or `kvpress_phase.builtin_model_path({name!r})`.", "",
+        "## Recipe", "",
+        f"- start: `{config['model']}`; {config['steps']} steps of {config['batch_size']} examples "
+        f"(gradient accumulation {config['grad_accum']}); AdamW lr {config['lr']:g} with {config['warmup']} warm-up "
+        f"steps and cosine decay to {config['min_lr']:g}; clip {config['clip']:g}; seed {config['seed']}",
+        f"- per step: ratio from {config['ratios'] or config['ratio_range']}, stride from {config['strides']}, "
+        f"grid offset {config['offset_mode']}" + (f" ({config['offset']})" if config["offset_mode"] == "fixed" else
+                                                   " in [0, stride)")
+        + f", {config['uncompressed_fraction']:.0%} of the steps uncompressed",
+        f"- data: the task generators {', '.join(f'{t} ({w:g})' for t, w in config['tasks'].items())}, contexts "
+        f"of {', '.join(map(str, config['context_lengths']))} tokens (training seeds, disjoint from every "
+        "evaluation seed)",
+        f"- command: `{log.get('command') or 'kvpress-phase train --recipe ' + name}`",
+        f"- training time: {minutes:.0f} minutes on {log['device']} ({log['dtype']}); "
+        f"{log['n_parameters'] / 1e6:.2f}M parameters, weights {size / 1e6:.1f} MB", "",
+        "![loss curve](loss_curve.png)", "",
+        "Teacher-forced answer exact match during training, by the step's ratio (0 = uncompressed step):", "",
+        acc.to_markdown(floatfmt=".2f"), "",
+    ]
+    frames = []
+    for d in study_dirs:
+        with open(os.path.join(d, "summary.json")) as fh:
+            frames.append(pd.DataFrame(json.load(fh)))
+    if frames:
+        df = pd.concat(frames)
+        df = df[df["press"].isin(CARD_PRESSES)]
+        keys = ["task", "context_length", "stride"]
+        reference = df[df["press"] == "no_press"].groupby(keys)["mean"].mean().rename("no_press")
+        table = df[df["press"] != "no_press"].pivot_table(index=keys + ["compression_ratio"], columns="press",
+                                                          values="mean")
+        table = table.reset_index().join(reference, on=keys)
+        table = table[keys + ["compression_ratio"] + [p for p in CARD_PRESSES if p in table.columns]]
+        table = table.rename(columns={"context_length": "tokens", "compression_ratio": "ratio"})
+        out += [
+            "## Accuracy under compression", "",
+            "Held-out evaluation (`kvpress-phase eval`, seed 5150, 16 samples per phase, every phase of the stride, "
+            "prefix protocol, `--matched-cache`: SnapKV keeps exactly as many entries as `chunked_stride`); mean "
+            "accuracy over phases. Per-phase profiles and the phase tests are in RESULTS.md.", "",
+            table.to_markdown(index=False, floatfmt=".3f"), "",
+        ]
+    return "\n".join(out)
+
+
+def main_finetuned(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Write the card of a model trained by `kvpress-phase train`.")
+    parser.add_argument("--name", default="chunked", help="built-in model name (default: chunked)")
+    parser.add_argument("--study", default="", help="comma-separated evaluation output directories")
+    parser.add_argument("--output", help="default: MODEL_CARD.md inside the model's folder")
+    args = parser.parse_args(argv)
+    from kvpress_phase.builtin import builtin_model_path
+
+    path = builtin_model_path(args.name)
+    text = render_finetuned(path, [d for d in args.study.split(",") if d], args.name)
+    with open(args.output or os.path.join(path, "MODEL_CARD.md"), "w") as fh:
+        fh.write(text + "\n")
+    print(text)
+    return 0
+
+
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["finetuned"]:
+        raise SystemExit(main_finetuned(sys.argv[2:]))
     raise SystemExit(main())

@@ -51,15 +51,35 @@ class SnapKVScorer(SnapKVPress):
         against that head's keys (no copy of the keys per query head) and the causal mask on the window alone."""
         batch, kv_heads, k_len, head_dim = keys.shape
         groups = module.config.num_attention_heads // kv_heads
-        query = get_prerope_query_states(module, hidden_states[:, -window_size:])
-        cos, sin = position_embeddings
-        cos, sin = cos[:, -window_size:].unsqueeze(1), sin[:, -window_size:].unsqueeze(1)
-        rotary = cos.shape[-1]
-        q_rot, q_pass = query[..., :rotary], query[..., rotary:]
-        query = torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1)
+        query = _rotated_queries(module, hidden_states[:, -window_size:], position_embeddings, window_size)
         query = query.reshape(batch, kv_heads, groups * window_size, head_dim)
         weights = torch.matmul(query, keys.transpose(2, 3)) / math.sqrt(module.head_dim)
         window = weights.view(batch, kv_heads, groups, window_size, k_len)[..., -window_size:]
         window.add_(torch.triu(torch.full((window_size, window_size), float("-inf"), device=keys.device), diagonal=1))
         weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
         return weights.view(batch, kv_heads * groups, window_size, k_len)[..., :-window_size]
+
+    @staticmethod
+    def decoding_scores(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                        position_embeddings) -> torch.Tensor:
+        """Scores of ``keys`` (a block of the cache, already rotated) while decoding, ``(batch, kv_heads, k_len)``:
+        the attention of the current step's query (the last of ``hidden_states``) restricted to those keys,
+        averaged over each KV head's query heads. Under ``decoding=True`` there is no window of context queries;
+        this is SnapKV's signal with the newest token as its one-query window."""
+        batch, kv_heads, k_len, head_dim = keys.shape
+        groups = module.config.num_attention_heads // kv_heads
+        query = _rotated_queries(module, hidden_states[:, -1:], position_embeddings, 1)
+        query = query.reshape(batch, kv_heads, groups, head_dim)
+        weights = torch.matmul(query, keys.transpose(2, 3)) / math.sqrt(module.head_dim)
+        return nn.functional.softmax(weights, dim=-1, dtype=torch.float32).mean(dim=2)
+
+
+def _rotated_queries(module: nn.Module, hidden_states: torch.Tensor, position_embeddings, n: int) -> torch.Tensor:
+    """The last ``n`` tokens' queries, ``(batch, query heads, n, head_dim)``, rotated over the rotary dimensions
+    only."""
+    query = get_prerope_query_states(module, hidden_states)
+    cos, sin = position_embeddings
+    cos, sin = cos[:, -n:].unsqueeze(1), sin[:, -n:].unsqueeze(1)
+    rotary = cos.shape[-1]
+    q_rot, q_pass = query[..., :rotary], query[..., rotary:]
+    return torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1)

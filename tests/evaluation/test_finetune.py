@@ -187,6 +187,12 @@ def test_fine_tuning_from_a_path_exports_a_model_the_evaluation_loads(model_dir,
     assert cli.main(["eval", "--model", str(out), "--tasks", "niah_single", "--presses", "no_press,chunked_stride",
                      "--strides", "4", "--context-lengths", "128", "--samples", "1", "--output-dir",
                      str(tmp_path / "eval"), "--no-progress", "--bootstrap", "100"]) == 0
+    # its card: recipe and training log from training_log.json, accuracy from the evaluation's summary
+    from kvpress_phase.evaluation.model_card import render_finetuned
+
+    card = render_finetuned(str(out), [str(tmp_path / "eval")], "tiny")
+    assert "2 steps of" in card and "`phase_aware` in the loop" in card
+    assert "| niah_single" in card and "chunked_stride" in card.split("## Accuracy under compression")[1]
 
 
 def test_lora_trains_only_the_adapters_and_exports_a_merged_model(model_dir, tmp_path):

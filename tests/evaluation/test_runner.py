@@ -163,7 +163,8 @@ def test_context_longer_than_the_builtin_model_positions_says_what_it_was_traine
     from kvpress_phase import load_builtin_model
 
     builtin, _ = load_builtin_model()
-    with pytest.warns(UserWarning, match=r"\(4096\), and the built-in model was trained on sequences of up to 2048"):
+    with pytest.warns(UserWarning,
+                      match=r"\(4096\), and the built-in model 'builtin' was trained on sequences of up to 2048"):
         check_context_lengths(EvalConfig(context_lengths=[100_000]), builtin)
 
 
@@ -259,8 +260,8 @@ def test_cache_fingerprint_tells_caches_apart(model, word_tokenizer):
 
     engine = ReplayEngine(model, word_tokenizer)
     row, encoded, state = _row_state(engine, word_tokenizer)
-    aligned = [engine.compressed_cache(state, build_press(parse_press_spec("phase_aware"), 0.5, 8, None, o))
-               for o in (0, 3)]
+    window = parse_press_spec("phase_aware:budget=window:scorer=knorm")  # aligned grids: the offset is unused
+    aligned = [engine.compressed_cache(state, build_press(window, 0.5, 8, None, o)) for o in (0, 3)]
     fixed = [engine.compressed_cache(state, build_press(parse_press_spec("chunked_stride"), 0.5, 8, None, o))
              for o in (0, 3)]
     assert cache_fingerprint(state, aligned[0]) == cache_fingerprint(state, aligned[1])  # the offset is unused

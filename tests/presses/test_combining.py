@@ -14,7 +14,7 @@ from kvpress_phase.phase import compressed_length
 PRESSES = {
     "chunked_select": lambda r, **kw: ChunkedStridePress(r, mode="select", **kw),
     "chunked_pool": lambda r, **kw: ChunkedStridePress(r, mode="pool", **kw),
-    "phase_aware_select": lambda r, **kw: PhaseAwarePress(r, mode="select", **kw),
+    "phase_aware_select": lambda r, **kw: PhaseAwarePress(r, mode="select", budget="window", **kw),
     "phase_aware_pool": lambda r, **kw: PhaseAwarePress(r, mode="pool", **kw),
 }
 PRUNING = {"knorm": lambda: KnormPress(0.5), "streaming_llm": lambda: StreamingLLMPress(0.5, n_sink=4)}

@@ -30,27 +30,31 @@ class FakeAttention(torch.nn.Module):
         self.rotary_emb.register_buffer("inv_freq", INV_FREQ)
 
 
+def _window(ratio, **kw):
+    """PhaseAwarePress with per-window budgets (its earlier default), scored by key norm."""
+    return PhaseAwarePress(ratio, budget="window", scorer=KnormPress(), decoding=True, **kw)
+
+
 # presses whose grid does not depend on the content, so decoding must reproduce a prefill of the whole sequence
 FIXED_GRID = {
     "chunked_pool": lambda: ChunkedStridePress(0.5, decoding=True),
     "chunked_select": lambda: ChunkedStridePress(0.5, mode="select", decoding=True),
     "chunked_pool_offset_score": lambda: ChunkedStridePress(0.75, offset=5, weighting="score", rope="centroid",
                                                             decoding=True),
-    "phase_aware_pool": lambda: PhaseAwarePress(0.5, align=False, decoding=True),
-    "phase_aware_select": lambda: PhaseAwarePress(0.5, mode="select", align=False, decoding=True),
-    "phase_aware_overlap": lambda: PhaseAwarePress(0.75, overlap=True, align=False, offset=3, decoding=True),
-    "phase_aware_head_layer": lambda: PhaseAwarePress(0.625, stagger="head_layer", align=False, decoding=True),
+    "phase_aware_pool": lambda: _window(0.5, align=False),
+    "phase_aware_select": lambda: _window(0.5, mode="select", align=False),
+    "phase_aware_overlap": lambda: _window(0.75, overlap=True, align=False, offset=3),
+    "phase_aware_head_layer": lambda: _window(0.625, stagger="head_layer", align=False),
 }
 TRITON = {  # the Triton kernels on the decoding layouts (on the CPU through TRITON_INTERPRET=1, see conftest.py)
     "chunked_pool_triton": lambda: ChunkedStridePress(0.5, decoding=True, backend="triton"),
-    "phase_aware_select_triton": lambda: PhaseAwarePress(0.5, mode="select", align=False, decoding=True,
-                                                         backend="triton"),
+    "phase_aware_select_triton": lambda: _window(0.5, mode="select", align=False, backend="triton"),
 }
 PIPELINE_PRESSES = {
     "chunked_pool": lambda: ChunkedStridePress(0.5, decoding=True),
     "chunked_select": lambda: ChunkedStridePress(0.75, mode="select", decoding=True),
     "phase_aware_pool": lambda: PhaseAwarePress(0.5, decoding=True),
-    "phase_aware_select": lambda: PhaseAwarePress(0.5, mode="select", decoding=True),
+    "phase_aware_select": lambda: PhaseAwarePress(0.5, mode="select", budget="window", decoding=True),
     "phase_aware_row": lambda: PhaseAwarePress(0.5, budget="row", decoding=True),
     "phase_aware_window_topk": lambda: PhaseAwarePress(0.75, budget="window_topk", decoding=True),
 }
@@ -112,7 +116,7 @@ def test_aligned_per_head_grids_continue_each_row_own_grid():
     module = FakeAttention()
     g = torch.Generator().manual_seed(1)
     keys = torch.randn(3, 4, 300, HEAD_DIM, generator=g)
-    press = PhaseAwarePress(0.5, decoding=True)  # aligned, staggered per head: rows differ
+    press = _window(0.5)  # aligned, staggered per head: rows differ
     k, _, _ = _decode_by_hand(press, keys, keys.clone(), 100, [1], module)
     state = press.decoding_state[0]
     assert len(set(state.first.flatten().tolist())) > 1

@@ -55,3 +55,34 @@ def test_contexts_shorter_than_the_window_are_scored_and_compressed():
     with torch.no_grad(), press(model):
         model.model(input_ids=ids, past_key_values=cache)
     assert cache.layers[0].keys.shape[2] == press.stats[0].compressed_length < 50
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_decoding_scores_are_the_newest_query_attention_over_the_block(family):
+    """While decoding, SnapKVScorer scores a block by the current step's query: its attention restricted to the
+    block's keys (renormalised), averaged over each KV head's query heads."""
+    model = tiny_model(family)
+    seen = {}
+
+    class Spy(PhaseAwarePress):
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            if module.layer_idx == 0:
+                seen.update(module=module, hidden=hidden_states, keys=keys, pe=kwargs["position_embeddings"])
+            return keys, values
+
+    ids = torch.randint(4, 60, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), Spy(0.5)(model):
+        model.model(input_ids=ids, past_key_values=DynamicCache())
+    module, keys = seen["module"], seen["keys"]
+    block = keys[:, :, 10:26]
+    with torch.no_grad():
+        got = SnapKVScorer.decoding_scores(module, seen["hidden"], block, seen["pe"])
+        # reference: kvpress-style window attention of the last query over (block + its own key), renormalised
+        full = SnapKVScorer.compute_window_attention(module, seen["hidden"], torch.cat((block, keys[:, :, -1:]), 2),
+                                                     1, seen["pe"])
+    full = full / full.sum(-1, keepdim=True)
+    heads = model.config.num_key_value_heads
+    expected = full.view(2, heads, -1, 16).mean(2)
+    assert got.shape == (2, heads, 16)
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, got.mean(-1, keepdim=True))  # an informative score, not a constant
