@@ -280,10 +280,16 @@ def render_finetuned(model_dir: str, study_dirs: list, name: str) -> str:
         "Teacher-forced answer exact match during training, by the step's ratio (0 = uncompressed step):", "",
         acc.to_markdown(floatfmt=".2f"), "",
     ]
-    frames = []
+    frames, runs = [], []
     for d in study_dirs:
         with open(os.path.join(d, "summary.json")) as fh:
             frames.append(pd.DataFrame(json.load(fh)))
+        config_path = os.path.join(d, "config.json")
+        if os.path.exists(config_path):
+            with open(config_path) as fh:
+                run = json.load(fh)["config"]
+            runs.append(f"seed {run['seed']}, {run['samples']} samples per phase"
+                        + (", matched cache" if run.get("matched_cache") else ""))
     if frames:
         df = pd.concat(frames)
         df = df[df["press"].isin(CARD_PRESSES)]
@@ -296,9 +302,10 @@ def render_finetuned(model_dir: str, study_dirs: list, name: str) -> str:
         table = table.rename(columns={"context_length": "tokens", "compression_ratio": "ratio"})
         out += [
             "## Accuracy under compression", "",
-            "Held-out evaluation (`kvpress-phase eval`, seed 5150, 16 samples per phase, every phase of the stride, "
-            "prefix protocol, `--matched-cache`: SnapKV keeps exactly as many entries as `chunked_stride`); mean "
-            "accuracy over phases. Per-phase profiles and the phase tests are in RESULTS.md.", "",
+            "Held-out evaluation (`kvpress-phase eval`; " + ("; ".join(sorted(set(runs))) or "see the runs")
+            + "; every phase of the stride; with a matched cache SnapKV keeps exactly as many entries as "
+            "`chunked_stride`); mean accuracy over phases. Per-phase profiles and the phase tests are in RESULTS.md, "
+            "section 5.", "",
             table.to_markdown(index=False, floatfmt=".3f"), "",
         ]
     return "\n".join(out)
