@@ -157,15 +157,12 @@ def _cmd_train(args, argv) -> int:
 
 
 def _resolve_device(text: str) -> str:
-    import torch
+    from .finetune import resolve_device
 
-    if text == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if text.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {text}: no CUDA device is available")
-    if text != "cpu" and not text.startswith("cuda"):
-        raise UsageError(f"--device must be cpu, cuda, cuda:N or auto, got {text!r}")
-    return text
+    try:
+        return resolve_device(text)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
 
 
 def _check_output_dir(path: str) -> None:

@@ -90,8 +90,16 @@ def holm(ps):
     return adj
 
 
-def mechanism(block="C"):
-    out = ["| model | task | ratio | co-pooled phases | acc co-pooled | acc split | difference | sign-flip p |",
+def group_starts(stride, ratio):
+    """Slots where a pooled group starts (the exploratory account), the boundary slot left out."""
+    lo, _ = group_bounds(stride, stride, kept_per_window(stride, ratio))
+    return [x for x in lo if x < stride - 1]
+
+
+def phase_set_test(block, phase_set, label):
+    """Per cell of ``chunked_stride``: accuracy at the phases ``phase_set(stride, ratio)`` against the other
+    non-boundary phases, with a within-sample sign-flip test of the difference."""
+    out = [f"| model | task | ratio | {label} | acc there | acc other non-boundary | difference | sign-flip p |",
            "|---|---|---|---|---|---|---|---|"]
     for m in MODELS:
         d = os.path.join(ROOT, m, block)
@@ -101,13 +109,12 @@ def mechanism(block="C"):
         res = res[res["press"] == "chunked_stride"]
         for (task, ratio), g in res.groupby(["task", "compression_ratio"]):
             S = int(g["stride"].iloc[0])
-            co = copooled(S, ratio)
-            split = [i for i in range(S - 1) if i not in co]
+            chosen = phase_set(S, ratio)
+            other = [i for i in range(S - 1) if i not in chosen]
             per = g.pivot_table(index="sample_id", columns="phase", values="score")
-            diff = per[co].mean(1) - per[split].mean(1)
-            obs, p = signflip(diff.values)
-            out.append(f"| {m} | {task} | {ratio:g} | {','.join(map(str, co))} | {per[co].values.mean():.3f} | "
-                       f"{per[split].values.mean():.3f} | {obs:+.3f} | {fmt_p(p)} |")
+            obs, p = signflip((per[chosen].mean(1) - per[other].mean(1)).values)
+            out.append(f"| {m} | {task} | {ratio:g} | {','.join(map(str, chosen))} | {per[chosen].values.mean():.3f} | "
+                       f"{per[other].values.mean():.3f} | {obs:+.3f} | {fmt_p(p)} |")
     return "\n".join(out)
 
 
@@ -162,38 +169,15 @@ def main(argv=None) -> int:
             print("\nHolm over the trained-in chunked_stride cells: " + ", ".join(
                 f"{t} {r:g}: p {p:.4f}, Holm {h:.4f}"
                 for t, r, p, h in zip(cs.task, cs.compression_ratio, cs.p_value, adjusted)))
-    print("\n## mechanism C\n" + mechanism("C"))
+    print("\n## mechanism C\n" + phase_set_test("C", copooled, "co-pooled phases"))
     t, _ = block_c("D")
     print("\n## D\n" + t)
     for b in ["A-1024", "A-2048", "B2", "B1"]:
         r = block_a(b)
         if r:
             print("\n## " + b + r)
-    print("\n## group start C\n" + group_start("C"))
+    print("\n## group start C\n" + phase_set_test("C", group_starts, "group-start phases"))
     return 0
-
-
-def group_start(block="C"):
-    out = ["| model | task | ratio | group-start phases | acc there | acc other non-boundary | difference | sign-flip p |",
-           "|---|---|---|---|---|---|---|---|"]
-    for m in MODELS:
-        d = os.path.join(ROOT, m, block)
-        if not os.path.exists(os.path.join(d, "summary.json")):
-            continue
-        res = read_results(d)
-        res = res[res["press"] == "chunked_stride"]
-        for (task, ratio), g in res.groupby(["task", "compression_ratio"]):
-            S = int(g["stride"].iloc[0])
-            k = kept_per_window(S, ratio)
-            lo, _ = group_bounds(S, S, k)
-            starts = [x for x in lo if x < S - 1]
-            other = [i for i in range(S - 1) if i not in starts]
-            per = g.pivot_table(index="sample_id", columns="phase", values="score")
-            diff = per[starts].mean(1) - per[other].mean(1)
-            obs, p = signflip(diff.values)
-            out.append(f"| {m} | {task} | {ratio:g} | {','.join(map(str, starts))} | {per[starts].values.mean():.3f} | "
-                       f"{per[other].values.mean():.3f} | {obs:+.3f} | {fmt_p(p)} |")
-    return "\n".join(out)
 
 
 if __name__ == "__main__":
