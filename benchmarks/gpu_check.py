@@ -113,7 +113,7 @@ def step_kernels(ctx):
         raise AssertionError(f"Triton and reference positions differ: {diffs}")
     table = [{"n": r["n"], "op": r["op"], "backend": r["backend"], "us": round(r["seconds"] * 1e6, 1),
               "GB/s": round(r["bytes_per_s"] / 1e9, 1), "of_copy": round(r["fraction_of_copy"], 3),
-              "speedup_vs_torch": None if r["speedup_vs_torch"] is None else round(r["speedup_vs_torch"], 2),
+              "speedup_vs_torch": None if r["speedup_vs_torch"] is None else float(f"{r['speedup_vs_torch']:.3g}"),
               "max_abs_diff": r["max_abs_diff"]} for r in rows]
     return {"device": measured["device"], "dtype": measured["dtype"], "rows": table}
 
@@ -254,7 +254,7 @@ def _markdown(summary) -> str:
                       "| N | op | backend | time (us) | GB/s | of copy | speed-up vs reference | max abs diff |",
                       "|---:|---|---|---:|---:|---:|---:|---:|"]
             for r in result["rows"]:
-                sp = "" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.1f}x"
+                sp = "" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.3g}x"
                 lines.append(f"| {r['n']} | {r['op']} | {r['backend']} | {r['us']} | {r['GB/s']} | "
                              f"{r['of_copy']:.0%} | {sp} | {r['max_abs_diff'] or ''} |")
         elif name == "pipeline" and result:

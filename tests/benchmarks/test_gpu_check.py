@@ -29,7 +29,8 @@ def test_small_mode_runs_every_step(tmp_path):
     assert all(step["status"] == "ok" for step in summary["steps"].values())
     kernels = summary["steps"]["kernels"]["result"]["rows"]
     assert {r["op"] for r in kernels} == {"copy k+v", "select", "pool-mean", "pool-score-centroid", "pool-overlap"}
-    assert any(r["backend"] == "triton" and r["speedup_vs_torch"] for r in kernels)
+    # a ratio of two timings, recorded to three significant figures (the interpreter makes it tiny on the CPU)
+    assert all(r["speedup_vs_torch"] > 0 for r in kernels if r["backend"] == "triton")
     runs = summary["steps"]["pipeline"]["result"]["runs"]
     assert {r["press"] for r in runs} == {"ChunkedStridePress", "PhaseAwarePress"}
     assert summary["steps"]["eval"]["result"]["answers"] == 4 * 3  # phases x presses
