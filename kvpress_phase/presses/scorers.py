@@ -21,6 +21,7 @@ import torch
 from kvpress import SnapKVPress
 from kvpress.utils import get_prerope_query_states
 from torch import nn
+from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 
@@ -36,12 +37,45 @@ class SnapKVScorer(SnapKVPress):
 
     def score(self, module, hidden_states, keys, values, attentions, kwargs):
         n = hidden_states.shape[1]
-        if n > self.window_size:
-            return super().score(module, hidden_states, keys, values, attentions, kwargs)
         if n < 2:
             return keys.new_zeros(keys.shape[:3], dtype=torch.float32)
-        short = dataclasses.replace(self, window_size=n // 2)
-        return SnapKVPress.score(short, module, hidden_states, keys, values, attentions, kwargs)
+        window = self.window_size if n > self.window_size else n // 2
+        if attentions is not None:  # the model's own attention weights (eager attention): kvpress's computation
+            return SnapKVPress.score(dataclasses.replace(self, window_size=window), module, hidden_states, keys,
+                                     values, attentions, kwargs)
+        scores = self.window_scores(module, hidden_states, keys, window, kwargs["position_embeddings"])
+        scores = F.avg_pool1d(scores, kernel_size=self.kernel_size, padding=self.kernel_size // 2, stride=1)
+        return F.pad(scores, (0, window), value=scores.max().item() + 1)  # the window itself is never dropped
+
+    @staticmethod
+    def window_scores(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,
+                      position_embeddings) -> torch.Tensor:
+        """SnapKV's scores before smoothing, ``(batch, kv_heads, seq_len - window_size)`` float32: the attention
+        of the last ``window_size`` queries to each earlier key, averaged over the window and over the query heads
+        of each KV head.
+
+        The same figures as kvpress's ``compute_window_attention`` followed by its means, computed one KV head at
+        a time: the head's attention logits are exponentiated in place and reduced by one matrix-vector product
+        with the reciprocal softmax denominators, so no normalised copy of the weights is made and the temporary
+        is one head's ``(seq_len, groups * window_size)`` logits instead of every head's. Averaging over the query heads
+        before kvpress's smoothing gives the same scores, since the smoothing is linear and the same per head."""
+        batch, kv_heads, k_len, head_dim = keys.shape
+        groups = module.config.num_attention_heads // kv_heads
+        query = _rotated_queries(module, hidden_states[:, -window_size:], position_embeddings, window_size)
+        query = query.reshape(batch, kv_heads, groups * window_size, head_dim) * (1.0 / math.sqrt(module.head_dim))
+        # the causal mask of the window, transposed (keys along the rows), for each query head of the KV head
+        causal = torch.tril(torch.full((window_size, window_size), float("-inf"), device=keys.device), diagonal=-1)
+        causal = causal.unsqueeze(1)
+        out = torch.empty(batch, kv_heads, k_len - window_size, dtype=torch.float32, device=keys.device)
+        for b in range(batch):
+            for h in range(kv_heads):
+                # (k_len, groups * window): keys along the rows, so every reduction below is over contiguous rows
+                logits = torch.matmul(keys[b, h], query[b, h].transpose(0, 1)).float()
+                logits[-window_size:].view(window_size, groups, window_size).add_(causal)
+                weights = logits.sub_(logits.amax(dim=0)).exp_()
+                norm = weights.sum(dim=0).reciprocal_().mul_(1.0 / (groups * window_size))
+                torch.mv(weights[:-window_size], norm, out=out[b, h])
+        return out
 
     @staticmethod
     def compute_window_attention(module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, window_size: int,
