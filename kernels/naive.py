@@ -153,12 +153,24 @@ def select_windows(
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
     order = order.sort(dim=-1).values
     sel = (layout.window_starts()[..., None] + order).flatten(2)  # (B, H, nw * k)
-    def take(x):
-        return x.gather(2, sel[..., None].expand(-1, -1, -1, x.shape[-1]))
+    return Compressed(_select_rows(keys, sel, layout), _select_rows(values, sel, layout), _positions_tensor(layout, sel))
 
-    new_keys = _assemble(keys, take(keys), layout)
-    new_values = _assemble(values, take(values), layout)
-    return Compressed(new_keys, new_values, _positions_tensor(layout, sel))
+
+def _select_rows(x: torch.Tensor, sel: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+    """``x`` with its windows replaced by the rows at ``sel`` (``(batch, heads, n_windows * k)`` positions). On a
+    uniform grid the rows are copied once, straight into the output; otherwise gathered and assembled."""
+    B, H, m = sel.shape
+    if not (layout.uniform and x.is_contiguous()):
+        flat = (sel + torch.arange(B * H, device=sel.device).view(B, H, 1) * layout.seq_len).flatten()
+        return _assemble(x, _take_rows(x, flat, m).view(B, H, m, x.shape[-1]), layout)
+    f, end = int(layout.first[0, 0]), int(layout.first[0, 0]) + layout.n_windows * layout.stride
+    out = x.new_empty(B, H, layout.compressed_length, x.shape[-1])
+    out[:, :, :f] = x[:, :, :f]
+    out[:, :, f + m :] = x[:, :, end:]
+    for b in range(B):
+        for h in range(H):
+            torch.index_select(x[b, h], 0, sel[b, h], out=out[b, h, f : f + m])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- pool
