@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from kvpress_phase.phase import WindowLayout, group_bounds, group_membership
-from kvpress_phase.rope import rotate
+from kvpress_phase.rope import add_rotated_, rotate
 
 WEIGHTINGS = ("mean", "score")
 ROPE_MODES = ("none", "start", "center", "centroid")
@@ -229,6 +229,13 @@ def pool_windows(
 
     kw = _windows(keys, layout)  # (B, H, nw, W, D)
     vw = _windows(values, layout)
+    if weighting == "mean" and W == layout.stride and W % k == 0 and rope != "centroid":
+        # equal contiguous groups of g slots: slot o of a group is rotated by rep - o, which is the same for
+        # every group (rep = 0 at the start, (g - 1) / 2 at the centre), and summed straight into the output
+        g = W // k
+        angles = None if rope == "none" else [(0.0 if rope == "start" else (g - 1) / 2) - o for o in range(g)]
+        return Compressed(_pool_equal_groups(keys, kw, layout, g, angles, inv_freq),
+                          _pool_equal_groups(values, vw, layout, g, None, None), _positions_tensor(layout, group_start))
     if rope == "none":
         merged_k = merge(kw)
     else:
@@ -256,6 +263,36 @@ def pool_windows(
     new_keys = _assemble(keys, _to_dtype(merged_k, keys.dtype).flatten(2, 3), layout)
     new_values = _assemble(values, _to_dtype(merged_v, values.dtype).flatten(2, 3), layout)
     return Compressed(new_keys, new_values, _positions_tensor(layout, group_start))
+
+
+def _pool_equal_groups(x: torch.Tensor, xw: torch.Tensor, layout: WindowLayout, g: int, angles, inv_freq) -> torch.Tensor:
+    """``x`` with every window (``xw``, ``(B, H, nw, W, D)``) replaced by the means of its ``W // g`` groups of
+    ``g`` consecutive slots, slot ``o`` of a group rotated by ``angles[o]`` first (no rotation when ``angles`` is
+    None). The means are accumulated in float32, in place of the output where the grid is uniform and ``x`` is
+    float32 (no temporary the size of the windows), in a separate buffer otherwise."""
+    B, H, nw, W, D = xw.shape
+    k = W // g
+    direct = layout.uniform and x.dtype == torch.float32 and x.shape[2] == layout.seq_len
+    if direct:
+        f = int(layout.first[0, 0])
+        out = x.new_empty(B, H, layout.compressed_length, D)
+        out[:, :, :f] = x[:, :, :f]
+        out[:, :, f + nw * k :] = x[:, :, f + nw * W :]
+        acc = out[:, :, f : f + nw * k].unflatten(2, (nw, k))
+    else:
+        acc = torch.empty(B, H, nw, k, D, dtype=torch.float32, device=x.device)
+    slots = xw.unflatten(3, (k, g))
+    for o in range(g):
+        xo = slots[..., o, :]
+        a = 0.0 if angles is None else angles[o]
+        if o == 0:
+            acc.copy_(xo if a == 0 else rotate(xo, torch.tensor(a), inv_freq))
+        elif a == 0:
+            acc.add_(xo)
+        else:
+            add_rotated_(acc, xo, a, inv_freq)
+    acc.mul_(1.0 / g)
+    return out if direct else _assemble(x, _to_dtype(acc, x.dtype).flatten(2, 3), layout)
 
 
 # ---------------------------------------------------------------------------------------------- keep and pool

@@ -73,3 +73,17 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> 
     out[..., :half].addcmul_(x[..., half : 2 * half], sin, value=-1)
     out[..., half : 2 * half].addcmul_(x[..., :half], sin)
     return out
+
+
+def add_rotated_(out: torch.Tensor, x: torch.Tensor, position: float, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``out += rotate(x, position, inv_freq)`` in place, for one scalar ``position``, without a temporary the size
+    of ``x``. ``out`` is float32 and has ``x``'s shape; returns ``out``."""
+    half = inv_freq.numel()
+    angles = float(position) * inv_freq.to(out.device, torch.float32)
+    cos, sin = angles.cos(), angles.sin()
+    x = x.float()
+    lo, hi = x[..., :half], x[..., half : 2 * half]
+    out[..., :half].addcmul_(lo, cos).addcmul_(hi, sin, value=-1)
+    out[..., half : 2 * half].addcmul_(hi, cos).addcmul_(lo, sin)
+    out[..., 2 * half :].add_(x[..., 2 * half :])
+    return out

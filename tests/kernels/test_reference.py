@@ -1,0 +1,54 @@
+"""The PyTorch reference's fast paths against its general computation (no Triton involved).
+
+Mean pooling of equal contiguous groups (``window == stride``, ``k`` dividing it) and selection on a uniform grid
+write straight into the output; the general paths (score weighting, gathered windows) compute the same entries
+another way. Constant scores make score weighting a plain mean, so the two paths must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpress_phase.kernels import naive
+from kvpress_phase.phase import WindowLayout
+
+
+def _case(dtype, offsets, seq=83, stride=8, k=4, batch=2, heads=3, n_sink=3, n_local=5):
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(batch, heads, seq, 64, generator=g).to(dtype)
+    values = torch.randn(batch, heads, seq, 48, generator=g).to(dtype)
+    if offsets == "staggered":
+        offsets = torch.arange(batch * heads).reshape(batch, heads) % stride
+    layout = WindowLayout.build(seq, window=stride, stride=stride, k=k, offsets=offsets, n_sink=n_sink,
+                                n_local=n_local, batch=batch, heads=heads)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 48, 2, dtype=torch.float32) / 48)  # partial rotary (48 of 64)
+    return keys, values, layout, inv_freq
+
+
+@pytest.mark.parametrize("rope", ["none", "start", "center"])
+@pytest.mark.parametrize("offsets", [2, "staggered"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [4, 2, 8])
+def test_equal_group_means_match_the_general_path(rope, offsets, dtype, k):
+    keys, values, layout, inv_freq = _case(dtype, offsets, k=k)
+    fast = naive.pool_windows(keys, values, layout, weighting="mean", rope=rope, inv_freq=inv_freq)
+    flat_scores = torch.zeros(keys.shape[:3])
+    general = naive.pool_windows(keys, values, layout, scores=flat_scores, weighting="score", rope=rope,
+                                 inv_freq=inv_freq)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    assert torch.equal(fast.positions, general.positions)
+    for got, ref in zip(fast[:2], general[:2]):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("offsets", [5, "staggered"])
+def test_uniform_selection_matches_a_gather(offsets):
+    keys, values, layout, _ = _case(torch.float32, offsets)
+    scores = torch.randn(keys.shape[:3], generator=torch.Generator().manual_seed(1))
+    got = naive.select_windows(keys, values, scores, layout)
+    pos = got.positions
+    for x, out in ((keys, got.keys), (values, got.values)):
+        assert torch.equal(out, x.gather(2, pos[..., None].expand(-1, -1, -1, x.shape[-1])))
+    assert bool((pos.diff(dim=-1) > 0).all())  # entries stay sorted by position
