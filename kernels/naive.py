@@ -380,7 +380,10 @@ def keep_and_pool(
     if rope == "none":
         merged_k = _weighted_rows(mix, kw)
     else:
-        merged_k = _weighted_rows(mix, rotate(kw, -slots, inv_freq))  # every key back to its window start
+        # every key rotated back to its window start (slot s by -s), weighted and summed one slot at a time
+        merged_k = torch.zeros(kw.shape[:3] + kw.shape[4:], dtype=torch.float32, device=device)
+        for s in range(S):
+            add_rotated_(merged_k, kw[..., s, :], -s, inv_freq, weight=mix[..., s, None])
         first, last = plan["first_member"].float(), plan["last_member"].float()
         rep = {"start": first, "center": (first + last) / 2, "centroid": (mix * slots).sum(dim=-1)}[rope]
         merged_k = rotate(merged_k, rep, inv_freq)

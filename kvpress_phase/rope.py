@@ -75,15 +75,21 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> 
     return out
 
 
-def add_rotated_(out: torch.Tensor, x: torch.Tensor, position: float, inv_freq: torch.Tensor) -> torch.Tensor:
-    """``out += rotate(x, position, inv_freq)`` in place, for one scalar ``position``, without a temporary the size
-    of ``x``. ``out`` is float32 and has ``x``'s shape; returns ``out``."""
+def add_rotated_(out: torch.Tensor, x: torch.Tensor, position: float, inv_freq: torch.Tensor,
+                 weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``out += weight * rotate(x, position, inv_freq)`` in place, for one scalar ``position``, without a
+    temporary the size of ``x``. ``out`` is float32 and has ``x``'s shape; ``weight`` (optional) broadcasts
+    against ``x.shape[:-1] + (1,)``. Returns ``out``."""
     half = inv_freq.numel()
     angles = float(position) * inv_freq.to(out.device, torch.float32)
     cos, sin = angles.cos(), angles.sin()
+    if weight is not None:
+        cos, sin = weight * cos, weight * sin
     x = x.float()
     lo, hi = x[..., :half], x[..., half : 2 * half]
     out[..., :half].addcmul_(lo, cos).addcmul_(hi, sin, value=-1)
     out[..., half : 2 * half].addcmul_(hi, cos).addcmul_(lo, sin)
-    out[..., 2 * half :].add_(x[..., 2 * half :])
+    if x.shape[-1] > 2 * half:
+        rest = x[..., 2 * half :]
+        out[..., 2 * half :].add_(rest) if weight is None else out[..., 2 * half :].addcmul_(rest, weight)
     return out
