@@ -170,10 +170,19 @@ class PhaseAwarePress(WindowedPress):
         With ``cap``, each window's lowest-scoring token is never chosen, so every window keeps a token to pool.
         """
         s = scores.float()
+        heads = s.shape[1]
+        win_pos = layout.window_positions().clamp(max=s.shape[2] - 1)  # (B, H, nw, W)
         if self.share_heads:
-            s = s.mean(dim=1, keepdim=True).expand_as(s)
+            s = s.mean(dim=1, keepdim=True)
+            if bool((layout.first == layout.first[:, :1]).all()):  # one grid for every head: choose once
+                raw = self._raw_tokens(s, win_pos[:, :1], layout.n_windows, n_raw, cap)
+                return raw.expand(-1, heads, -1).contiguous()
+            s = s.expand(-1, heads, -1)
+        return self._raw_tokens(s, win_pos, layout.n_windows, n_raw, cap)
+
+    def _raw_tokens(self, s: torch.Tensor, win_pos: torch.Tensor, n_windows: int, n_raw: int,
+                    cap: bool) -> torch.Tensor:
         B, H, n = s.shape
-        win_pos = layout.window_positions().clamp(max=n - 1)  # (B, H, nw, W)
         original = s.gather(2, win_pos.flatten(2)).view(win_pos.shape)
         if self.span > 0:
             pool = F.max_pool1d if self.span_pool == "max" else F.avg_pool1d
@@ -184,7 +193,7 @@ class PhaseAwarePress(WindowedPress):
         if cap:
             key = key.scatter(-1, original.argmin(dim=-1, keepdim=True), float("-inf"))
         if self.budget == "window_topk":  # the same number of raw tokens in every window
-            top = key.argsort(dim=-1, descending=True, stable=True)[..., : n_raw // max(layout.n_windows, 1)]
+            top = key.argsort(dim=-1, descending=True, stable=True)[..., : n_raw // max(n_windows, 1)]
             keep = torch.zeros_like(key, dtype=torch.bool).scatter_(-1, top, True)
             raw = torch.ones(B, H, n, dtype=torch.bool, device=s.device)
             return raw.scatter_(2, win_pos.flatten(2), keep.flatten(2))
