@@ -7,6 +7,7 @@ Keys and values of shape (1, heads, N, head_dim) in float32. For every N, in one
 - ``phase_aware``: ``PhaseAwarePress.compress`` with its defaults (content-adaptive budget, SnapKV scores);
   ``phase_aware_window`` the earlier default (per-window grids aligned by key norm, staggered per head);
   ``phase_aware_row_*`` the content-adaptive budget with Knorm or SnapKV scores;
+- ``snapkv_scores``: ``SnapKVScorer().score`` alone, the share of ``phase_aware``'s time that is scoring;
 - ``kvpress_snapkv``: ``SnapKVPress(r).compress``; ``kvpress_chunk``: ``ChunkPress(KnormPress(r),
   chunk_length=stride).compress``.
 
@@ -57,10 +58,21 @@ def position_embeddings(module, n: int):
     return module.rotary_emb(torch.empty(1, n, 1), ids)
 
 
+class ScoresOnly:
+    """A scorer's ``score`` behind the ``compress`` signature the cases are timed through."""
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        return self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
+
+
 def make_case(name: str, ratio: float, stride: int):
     from kvpress import ChunkPress, KnormPress, SnapKVPress
 
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+    from kvpress_phase.presses.scorers import SnapKVScorer
 
     cases = {
         "chunked_select": lambda: ChunkedStridePress(ratio, stride=stride, window=stride, mode="select"),
@@ -70,6 +82,7 @@ def make_case(name: str, ratio: float, stride: int):
             ratio, stride=stride, window=stride, mode="pool", weighting="score", rope="centroid"
         ),
         "phase_aware": lambda: PhaseAwarePress(ratio, stride=stride),
+        "snapkv_scores": lambda: ScoresOnly(SnapKVScorer()),
         "phase_aware_window": lambda: PhaseAwarePress(ratio, stride=stride, budget="window", scorer=KnormPress()),
         "phase_aware_row_knorm": lambda: PhaseAwarePress(ratio, stride=stride, budget="row", scorer=KnormPress(),
                                                          share_heads=True),
@@ -90,6 +103,7 @@ CASES = (
     "chunked_pool_none",
     "chunked_pool_score_centroid",
     "phase_aware",
+    "snapkv_scores",
     "phase_aware_window",
     "phase_aware_row_knorm",
     "phase_aware_row_snapkv",
