@@ -52,3 +52,25 @@ def test_uniform_selection_matches_a_gather(offsets):
     for x, out in ((keys, got.keys), (values, got.values)):
         assert torch.equal(out, x.gather(2, pos[..., None].expand(-1, -1, -1, x.shape[-1])))
     assert bool((pos.diff(dim=-1) > 0).all())  # entries stay sorted by position
+
+
+def test_keep_and_pool_over_many_blocks_of_windows_matches_head_by_head():
+    """keep_and_pool merges RoPE-aware over blocks of windows (about 4 MiB of sums each); with 32 heads of 256
+    dimensions a block is 128 windows, so 150 windows take two. Each head alone fits one block: the results must
+    agree."""
+    B, H, D, S, seq = 1, 32, 256, 8, 8 * 150 + 7
+    g = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(B, H, seq, D, generator=g), torch.randn(B, H, seq, D, generator=g)
+    layout = WindowLayout.build(seq, window=S, stride=S, k=4, offsets=3, batch=B, heads=H)
+    # three raw slots in every window, chosen at random
+    slots = torch.rand(B, H, layout.n_windows, S, generator=g).argsort(dim=-1)[..., :3]
+    raw = torch.zeros(B, H, seq, dtype=torch.bool)
+    raw.scatter_(2, (layout.window_starts()[..., None] + slots).flatten(2), True)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    whole = naive.keep_and_pool(keys, values, raw, layout, rope="start", inv_freq=inv_freq)
+    one = WindowLayout.build(seq, window=S, stride=S, k=4, offsets=3, batch=B, heads=1)
+    for h in (0, 17, 31):
+        alone = naive.keep_and_pool(keys[:, h : h + 1], values[:, h : h + 1], raw[:, h : h + 1], one, rope="start",
+                                    inv_freq=inv_freq)
+        for got, ref in zip(whole, alone):
+            torch.testing.assert_close(got[:, h : h + 1], ref, rtol=1e-5, atol=1e-5)
