@@ -40,7 +40,10 @@ class SnapKVScorer(SnapKVPress):
         if n < 2:
             return keys.new_zeros(keys.shape[:3], dtype=torch.float32)
         window = self.window_size if n > self.window_size else n // 2
-        if attentions is not None:  # the model's own attention weights (eager attention): kvpress's computation
+        training = torch.is_grad_enabled() and (hidden_states.requires_grad or keys.requires_grad)
+        if attentions is not None or training:
+            # kvpress's computation: on the model's own attention weights (eager attention), or differentiable
+            # (window_scores works in place)
             return SnapKVPress.score(dataclasses.replace(self, window_size=window), module, hidden_states, keys,
                                      values, attentions, kwargs)
         scores = self.window_scores(module, hidden_states, keys, window, kwargs["position_embeddings"])
@@ -57,8 +60,9 @@ class SnapKVScorer(SnapKVPress):
         The same figures as kvpress's ``compute_window_attention`` followed by its means, computed one KV head at
         a time: the head's attention logits are exponentiated in place and reduced by one matrix-vector product
         with the reciprocal softmax denominators, so no normalised copy of the weights is made and the temporary
-        is one head's ``(seq_len, groups * window_size)`` logits instead of every head's. Averaging over the query heads
-        before kvpress's smoothing gives the same scores, since the smoothing is linear and the same per head."""
+        is one head's ``(seq_len, groups * window_size)`` logits instead of every head's. Averaging over the query
+        heads before kvpress's smoothing gives the same scores, since the smoothing is linear and the same per head.
+        Not differentiable (``score`` uses kvpress's computation when gradients are needed)."""
         batch, kv_heads, k_len, head_dim = keys.shape
         groups = module.config.num_attention_heads // kv_heads
         query = _rotated_queries(module, hidden_states[:, -window_size:], position_embeddings, window_size)

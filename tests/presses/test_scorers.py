@@ -86,3 +86,30 @@ def test_decoding_scores_are_the_newest_query_attention_over_the_block(family):
     assert got.shape == (2, heads, 16)
     torch.testing.assert_close(got, expected)
     assert not torch.allclose(got, got.mean(-1, keepdim=True))  # an informative score, not a constant
+
+
+def test_scores_under_autograd_are_differentiable_and_the_same():
+    """Fine-tuning runs the press with gradients on: the scores then come from kvpress's differentiable computation
+    and equal the in-place one's."""
+    model = tiny_model("llama")
+    seen = {}
+
+    class Spy(PhaseAwarePress):
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            if module.layer_idx == 0:
+                seen.update(module=module, hidden=hidden_states, keys=keys, values=values, kwargs=kwargs)
+            return keys, values
+
+    ids = torch.randint(4, 60, (2, 90), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), Spy(0.5)(model):
+        model.model(input_ids=ids, past_key_values=DynamicCache())
+    scorer = SnapKVScorer(window_size=16)
+    args = (seen["module"], seen["hidden"], seen["keys"], seen["values"], None, seen["kwargs"])
+    with torch.no_grad():
+        plain = scorer.score(*args)
+    keys = seen["keys"].clone().requires_grad_(True)
+    scored = scorer.score(seen["module"], seen["hidden"], keys, seen["values"], None, seen["kwargs"])
+    assert scored.requires_grad
+    scored.sum().backward()
+    assert keys.grad is not None and torch.isfinite(keys.grad).all()
+    torch.testing.assert_close(scored.detach(), plain)
