@@ -158,9 +158,11 @@ def select_windows(
 
 def _select_rows(x: torch.Tensor, sel: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
     """``x`` with its windows replaced by the rows at ``sel`` (``(batch, heads, n_windows * k)`` positions). On a
-    uniform grid the rows are copied once, straight into the output; otherwise gathered and assembled."""
+    uniform grid the rows are copied once, straight into the output (not under autograd, which ``out=`` does not
+    support); otherwise gathered and assembled."""
     B, H, m = sel.shape
-    if not (layout.uniform and x.is_contiguous()):
+    differentiable = torch.is_grad_enabled() and x.requires_grad
+    if differentiable or not (layout.uniform and x.is_contiguous()):
         flat = (sel + torch.arange(B * H, device=sel.device).view(B, H, 1) * layout.seq_len).flatten()
         return _assemble(x, _take_rows(x, flat, m).view(B, H, m, x.shape[-1]), layout)
     f, end = int(layout.first[0, 0]), int(layout.first[0, 0]) + layout.n_windows * layout.stride

@@ -74,3 +74,27 @@ def test_keep_and_pool_over_many_blocks_of_windows_matches_head_by_head():
                                     inv_freq=inv_freq)
         for got, ref in zip(whole, alone):
             torch.testing.assert_close(got[:, h : h + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["select", "pool", "keep_and_pool"])
+def test_fast_paths_under_autograd_give_the_same_entries_and_gradients(op):
+    """Fine-tuning runs the presses with gradients on: each op must stay differentiable, and its entries must be
+    those of the no-grad path."""
+    keys, values, layout, inv_freq = _case(torch.float32, 2)
+    scores = torch.randn(keys.shape[:3], generator=torch.Generator().manual_seed(4))
+    raw = torch.zeros(keys.shape[:3], dtype=torch.bool)
+    raw.scatter_(2, (layout.window_starts()[..., None] + torch.tensor([1, 4, 6])).flatten(2), True)
+    run = {"select": lambda k, v: naive.select_windows(k, v, scores, layout),
+           "pool": lambda k, v: naive.pool_windows(k, v, layout, rope="start", inv_freq=inv_freq),
+           "keep_and_pool": lambda k, v: naive.keep_and_pool(k, v, raw, layout, rope="start", inv_freq=inv_freq)}[op]
+    with torch.no_grad():
+        plain = run(keys, values)
+    k, v = keys.clone().requires_grad_(True), values.clone().requires_grad_(True)
+    out = run(k, v)
+    (out.keys.square().sum() + out.values.sum()).backward()
+    torch.testing.assert_close(out.keys.detach(), plain.keys)
+    torch.testing.assert_close(out.values.detach(), plain.values)
+    assert k.grad is not None and v.grad is not None and k.grad.abs().sum() > 0
+    # every entry is a weighted mean of values whose weights sum to 1, so the gradient of the sum of all entries
+    # sums to the number of entry elements
+    torch.testing.assert_close(v.grad.sum(), torch.tensor(float(out.values.numel())))
