@@ -21,6 +21,9 @@ from kvpress_phase.rope import add_rotated_, rotate
 
 WEIGHTINGS = ("mean", "score")
 ROPE_MODES = ("none", "start", "center", "centroid")
+DENSE_MERGE_ELEMENTS = 1 << 22
+"""Window keys (elements) up to which :func:`keep_and_pool` merges RoPE-aware through one rotated copy (16 MiB in
+float32, cache-sized); above it, slot by slot without the copy."""
 
 
 class Compressed(NamedTuple):
@@ -382,14 +385,16 @@ def keep_and_pool(
     if rope == "none":
         merged_k = _weighted_rows(mix, kw)
     else:
-        # every key rotated back to its window start (slot s by -s), weighted and summed one slot at a time, over
-        # blocks of windows whose float32 sums (about 4 MiB) stay in cache across the slots
-        merged_k = torch.zeros(kw.shape[:3] + kw.shape[4:], dtype=torch.float32, device=device)
-        block = max(1, (1 << 20) // (layout.batch * layout.heads * kw.shape[-1]))
-        for w in range(0, nw, block):
-            for s in range(S):
-                add_rotated_(merged_k[:, :, w : w + block], kw[:, :, w : w + block, s], -s, inv_freq,
-                             weight=mix[:, :, w : w + block, s, None])
+        # every key rotated back to its window start (slot s by -s), weighted and summed
+        if kw.numel() <= DENSE_MERGE_ELEMENTS:  # small: one rotated copy and one product (fewest operations)
+            merged_k = _weighted_rows(mix, rotate(kw, -slots, inv_freq))
+        else:  # large: one slot at a time over blocks of windows whose float32 sums (about 4 MiB) stay in cache
+            merged_k = torch.zeros(kw.shape[:3] + kw.shape[4:], dtype=torch.float32, device=device)
+            block = max(1, (1 << 20) // (layout.batch * layout.heads * kw.shape[-1]))
+            for w in range(0, nw, block):
+                for s in range(S):
+                    add_rotated_(merged_k[:, :, w : w + block], kw[:, :, w : w + block, s], -s, inv_freq,
+                                 weight=mix[:, :, w : w + block, s, None])
         first, last = plan["first_member"].float(), plan["last_member"].float()
         rep = {"start": first, "center": (first + last) / 2, "centroid": (mix * slots).sum(dim=-1)}[rope]
         merged_k = rotate(merged_k, rep, inv_freq)

@@ -55,9 +55,10 @@ def test_uniform_selection_matches_a_gather(offsets):
 
 
 def test_keep_and_pool_over_many_blocks_of_windows_matches_head_by_head():
-    """keep_and_pool merges RoPE-aware over blocks of windows (about 4 MiB of sums each); with 32 heads of 256
-    dimensions a block is 128 windows, so 150 windows take two. Each head alone fits one block: the results must
-    agree."""
+    """Large inputs are merged RoPE-aware slot by slot over blocks of windows (about 4 MiB of sums each); with 32
+    heads of 256 dimensions a block is 128 windows, so 150 windows take two. Each head alone is small enough for
+    the dense merge (one rotated copy): the two paths must agree."""
+    assert 32 * 150 * 8 * 256 > naive.DENSE_MERGE_ELEMENTS >= 150 * 8 * 256
     B, H, D, S, seq = 1, 32, 256, 8, 8 * 150 + 7
     g = torch.Generator().manual_seed(2)
     keys, values = torch.randn(B, H, seq, D, generator=g), torch.randn(B, H, seq, D, generator=g)
