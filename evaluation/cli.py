@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
         "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
-        "With no arguments: a quick sweep on the built-in model (about 40 seconds on 2 CPU cores)."))
+        "With no arguments: a quick sweep on the built-in model (about 45 seconds on 2 CPU cores)."))
     ev.add_argument("--model", help="built-in model name (builtin, chunked; see `kvpress-phase list`), local model "
                                     "directory or hub id (default: builtin); a built-in name wins over a folder of "
                                     "that name, write ./NAME for the folder")
