@@ -168,7 +168,8 @@ def _select_rows(x: torch.Tensor, sel: torch.Tensor, layout: WindowLayout) -> to
     if differentiable or not (layout.uniform and x.is_contiguous()):
         flat = (sel + torch.arange(B * H, device=sel.device).view(B, H, 1) * layout.seq_len).flatten()
         return _assemble(x, _take_rows(x, flat, m).view(B, H, m, x.shape[-1]), layout)
-    f, end = int(layout.first[0, 0]), int(layout.first[0, 0]) + layout.n_windows * layout.stride
+    f = int(layout.first[0, 0])
+    end = f + layout.n_windows * layout.stride
     out = x.new_empty(B, H, layout.compressed_length, x.shape[-1])
     out[:, :, :f] = x[:, :, :f]
     out[:, :, f + m :] = x[:, :, end:]
@@ -277,7 +278,7 @@ def _pool_equal_groups(x: torch.Tensor, xw: torch.Tensor, layout: WindowLayout, 
     float32 (no temporary the size of the windows), in a separate buffer otherwise."""
     B, H, nw, W, D = xw.shape
     k = W // g
-    direct = layout.uniform and x.dtype == torch.float32 and x.shape[2] == layout.seq_len
+    direct = layout.uniform and x.dtype == torch.float32
     if direct:
         f = int(layout.first[0, 0])
         out = x.new_empty(B, H, layout.compressed_length, D)

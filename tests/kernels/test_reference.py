@@ -77,10 +77,13 @@ def test_keep_and_pool_over_many_blocks_of_windows_matches_head_by_head():
             torch.testing.assert_close(got[:, h : h + 1], ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("op", ["select", "pool", "keep_and_pool"])
-def test_fast_paths_under_autograd_give_the_same_entries_and_gradients(op):
+@pytest.mark.parametrize("op", ["select", "pool", "keep_and_pool", "keep_and_pool_by_slot"])
+def test_fast_paths_under_autograd_give_the_same_entries_and_gradients(op, monkeypatch):
     """Fine-tuning runs the presses with gradients on: each op must stay differentiable, and its entries must be
-    those of the no-grad path."""
+    those of the no-grad path (``keep_and_pool_by_slot``: its merge for large inputs, forced on a small one)."""
+    if op == "keep_and_pool_by_slot":
+        monkeypatch.setattr(naive, "DENSE_MERGE_ELEMENTS", 0)
+        op = "keep_and_pool"
     keys, values, layout, inv_freq = _case(torch.float32, 2)
     scores = torch.randn(keys.shape[:3], generator=torch.Generator().manual_seed(4))
     raw = torch.zeros(keys.shape[:3], dtype=torch.bool)
