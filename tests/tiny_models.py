@@ -61,3 +61,98 @@ def tiny_tokenizer(vocab_size: int = 64):
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="removed")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>")
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each of the 256 bytes."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_tiny_gguf(path: str, *, seed: int = 0, pre: str = "smollm", eos_id: int = 1, tie: bool = False,
+                    chat_template: str = CHATML_TEMPLATE):
+    """Write a tiny Llama with a byte-level BPE vocabulary (ChatML specials first, the 256 byte tokens, a few merges)
+    to a float32 GGUF file the way llama.cpp's converter lays one out (q and k rows permuted for its RoPE). Returns
+    the source ``LlamaForCausalLM``. ``eos_id`` 1 (``<|im_start|>``) repeats the SmolLM2 file's wrong EOS."""
+    import gguf
+    import numpy as np
+    import transformers as tf
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ w", "Ġ s", "r e"]
+    tokens = specials + _byte_chars() + ["".join(m.split(" ")) for m in merges]
+    types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
+    config = tf.LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1,
+                            eos_token_id=2)
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, so a wrong mapping of them shows in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(eos_id)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+
+    def permute(w, n_head):  # llama.cpp's layout of q and k rows
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    state = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    for i in range(config.num_hidden_layers):
+        for hf, gg in names.items():
+            w = state[f"model.layers.{i}.{hf}.weight"]
+            if gg == "attn_q":
+                w = permute(w, config.num_attention_heads)
+            elif gg == "attn_k":
+                w = permute(w, config.num_key_value_heads)
+            writer.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(w))
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    if not tie:
+        writer.add_tensor("output.weight", state["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
