@@ -15,8 +15,9 @@ Only torch is imported, so the kernels can use this module on a machine without 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -34,8 +35,46 @@ def phase_of(position: IntOrTensor, stride: int, offset: IntOrTensor = 0) -> Int
 
 
 def kept_per_window(stride: int, compression_ratio: float) -> int:
-    """Entries each window yields: ``k = max(1, round(stride * (1 - compression_ratio)))``."""
-    return max(1, int(round(stride * (1.0 - compression_ratio))))
+    """Entries each window of ``stride`` tokens yields at ``compression_ratio``: the rounding rule.
+
+    ``k`` is the integer nearest to ``stride * (1 - compression_ratio)``, with
+
+    * ties going to more compression (``S * (1 - r) = 3.5`` gives 3, not Python's half-to-even 4);
+    * a positive ratio never rounding to no compression where one fewer entry is possible (``k <= S - 1`` when
+      ``r > 0`` and ``S > 1``);
+    * at least one entry (``k >= 1``).
+
+    So the per-window ratio achieved, :func:`window_ratio`, is ``1 - k / S``: within ``1 / (2S)`` of the request
+    except where the last two rules apply (:func:`ratio_mismatch` says when).
+    """
+    exact = stride * (1.0 - compression_ratio)
+    k = math.ceil(exact - 0.5 - 1e-9)  # nearest, ties down; the epsilon absorbs float error at exact ties
+    if compression_ratio > 0 and stride > 1:
+        k = min(k, stride - 1)
+    return max(1, min(stride, k))
+
+
+def window_ratio(stride: int, compression_ratio: float) -> float:
+    """The per-window compression ratio achieved at a requested ``compression_ratio``: ``1 - k / S``."""
+    return 1.0 - kept_per_window(stride, compression_ratio) / stride
+
+
+def ratio_mismatch(stride: int, compression_ratio: float) -> Optional[str]:
+    """Why the ratio achieved at ``stride`` is not the one requested (None when it is within ``1 / (2S)``).
+
+    A positive ratio that still keeps every token (only possible at ``S = 1``) and an achieved per-window ratio
+    more than ``1 / (2S)`` from the request are reported.
+    """
+    k = kept_per_window(stride, compression_ratio)
+    achieved = 1.0 - k / stride
+    if compression_ratio > 0 and k == stride:
+        return (f"compression_ratio={compression_ratio:g} at stride {stride} keeps all {stride} tokens of every "
+                "window: no compression")
+    if abs(achieved - compression_ratio) > 1.0 / (2 * stride) + 1e-9:
+        return (f"compression_ratio={compression_ratio:g} at stride {stride} keeps k={k} of {stride} tokens per "
+                f"window, a per-window ratio of {achieved:g} (the nearest possible: ratios move in steps of "
+                f"1/{stride})")
+    return None
 
 
 def n_windows(seq_len: int, stride: int, n_sink: int, n_local: int) -> int:

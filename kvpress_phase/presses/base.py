@@ -8,6 +8,7 @@ call, is here.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -17,7 +18,7 @@ from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
 from kvpress_phase.kernels import BACKENDS, ROPE_MODES, WEIGHTINGS, Compressed, pool_windows, select_windows
-from kvpress_phase.phase import WindowLayout, group_bounds, kept_per_window
+from kvpress_phase.phase import WindowLayout, group_bounds, kept_per_window, ratio_mismatch, window_ratio
 from kvpress_phase.presses import decoding as _decoding
 from kvpress_phase.rope import rotary_inv_freq
 
@@ -40,6 +41,11 @@ class LayerStats:
     ends: Optional[torch.Tensor] = None
     """``(batch, heads, compressed_length)`` int32: one past the last source position each entry covers (the
     group end for a pooled entry, ``position + 1`` for a raw or selected token)."""
+    requested_ratio: Optional[float] = None
+    """The press's ``compression_ratio``."""
+    window_ratio: Optional[float] = None
+    """The per-window ratio achieved, ``1 - k / stride`` (see :func:`kvpress_phase.phase.kept_per_window`);
+    ``achieved_ratio`` is over the whole cache, protected tokens included."""
 
     @property
     def phases(self) -> Optional[torch.Tensor]:
@@ -78,6 +84,7 @@ class WindowedPress(BasePress):
     decoding: bool = False
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     decoding_state: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _warned_ratio: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.validate()
@@ -94,8 +101,14 @@ class WindowedPress(BasePress):
 
     @property
     def k(self) -> int:
-        """Entries each window yields: ``max(1, round(stride * (1 - compression_ratio)))``."""
+        """Entries each window yields: the integer nearest ``stride * (1 - compression_ratio)``, ties to more
+        compression, ``<= stride - 1`` for a positive ratio, ``>= 1`` (:func:`~kvpress_phase.phase.kept_per_window`)."""
         return kept_per_window(self.stride, self.compression_ratio)
+
+    @property
+    def window_ratio(self) -> float:
+        """The per-window compression ratio this press achieves, ``1 - k / stride``."""
+        return window_ratio(self.stride, self.compression_ratio)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid parameter and its allowed range."""
@@ -122,6 +135,18 @@ class WindowedPress(BasePress):
                 f"window must equal stride ({self.stride}) in mode='select' (got {self.effective_window}): "
                 "overlapping windows would keep a token twice; use mode='pool' for overlapping windows"
             )
+        self._warn_ratio()
+
+    def _warn_ratio(self) -> None:
+        """Warn once per press and setting when the per-window ratio achieved is not the one asked for."""
+        setting = (self.stride, self.compression_ratio)
+        if self._warned_ratio == setting:
+            return
+        self._warned_ratio = setting
+        message = ratio_mismatch(self.stride, self.compression_ratio)
+        if message:
+            warnings.warn(f"{type(self).__name__}: {message}; press.stats[layer].window_ratio records it",
+                          UserWarning, stacklevel=5)
 
     @property
     def needs_rope(self) -> bool:
@@ -179,7 +204,8 @@ class WindowedPress(BasePress):
         seq_len = keys.shape[2]
         self._check_positions(hidden_states, seq_len)
         if self.compression_ratio == 0:
-            self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
+            self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None, requested_ratio=0.0,
+                                               window_ratio=0.0)
             if self.decoding:
                 _decoding.start(self, module, None, seq_len, kwargs)
             return keys, values
@@ -192,7 +218,8 @@ class WindowedPress(BasePress):
         if self.decoding:
             _decoding.start(self, module, layout, layout.compressed_length, kwargs)
         if layout.n_windows == 0:  # too short for one window: nothing to score or compress
-            self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None)
+            self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None,
+                                               requested_ratio=self.compression_ratio, window_ratio=0.0)
             return keys, values
         if scores is None and self.needs_scores:
             scores = score()
@@ -201,7 +228,7 @@ class WindowedPress(BasePress):
         ends = out.ends if out.ends is not None else self._entry_ends(layout, out.positions)
         self.stats[layer_idx] = LayerStats(
             seq_len, layout.compressed_length, layout.achieved_ratio, layout, out.positions.to(torch.int32),
-            ends.to(torch.int32),
+            ends.to(torch.int32), requested_ratio=self.compression_ratio, window_ratio=self.window_ratio,
         )
         return out.keys, out.values
 

@@ -20,7 +20,10 @@ class ChunkedStridePress(WindowedPress):
 
     - the first ``n_sink`` and the last ``n_local`` tokens are kept raw; the ``L = n - n_sink - n_local``
       tokens between them are compressible;
-    - ``k = max(1, round(S * (1 - compression_ratio)))`` entries per window;
+    - ``k`` entries per window: the integer nearest ``S * (1 - compression_ratio)``, ties to more compression,
+      at most ``S - 1`` for a positive ratio and at least 1 (:func:`~kvpress_phase.phase.kept_per_window`); the
+      per-window ratio achieved, ``1 - k / S``, is in ``press.stats[layer_idx].window_ratio``, and a press whose
+      achieved ratio is more than ``1 / (2S)`` from the requested one warns once;
     - ``n_windows = max(0, (L - S + 1) // S)``: the number of windows that fit in the compressible span for every
       offset, so the length never depends on the offset;
     - the first window starts at ``first = n_sink + ((offset - n_sink) mod S)``; window ``j`` owns the stride
