@@ -100,6 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the kvpress baselines at the ratio that gives them exactly ChunkedStridePress's cache "
                          "length for each context (our presses protect n_sink + n_local tokens, so at one nominal "
                          "ratio they keep a few more entries); the nominal ratio still names the cell")
+    ev.add_argument("--compress-question", action="store_true",
+                    help="append the question to the context before compression and decode the answer after it "
+                         "(kvpress's evaluation calls this compress_questions), so presses that read the last "
+                         "prefill tokens see the question; results record setting=question_compressed (default: "
+                         "query-agnostic, the question appended after compression as kvpress's pipeline does)")
+    ev.add_argument("--allow-duplicate-k", action="store_true",
+                    help="run ratios that keep the same number of entries per window at a stride (refused by "
+                         "default: it would run one configuration twice under two names)")
+    ev.add_argument("--decode-batch", type=int, default=16,
+                    help="compressed caches of one context decoded together (default: 16; 1 decodes each alone, "
+                         "exactly as one pipeline call per press would; larger batches can change an answer at a "
+                         "near-tie through float rounding, see BENCHMARKS.md)")
     ev.add_argument("--no-diagnostics", action="store_true",
                     help="skip the needle-attention diagnostic (faster; accuracy is unchanged)")
     ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs (default: 2000)")
@@ -245,6 +257,8 @@ def _cmd_eval(args) -> int:
         strides=args.strides, windows=args.windows, phases=args.phases, protocol=args.protocol,
         context_lengths=args.context_lengths, samples=args.samples, seed=args.seed, dtype=args.dtype,
         diagnostics=not args.no_diagnostics, matched_cache=args.matched_cache,
+        compress_question=args.compress_question, allow_duplicate_k=args.allow_duplicate_k,
+        decode_batch=args.decode_batch,
     )
     try:
         config.validate()

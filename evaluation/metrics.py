@@ -54,7 +54,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-GROUP_KEYS = ("task", "context_length", "press", "compression_ratio", "stride", "protocol")
+GROUP_KEYS = ("task", "context_length", "press", "compression_ratio", "stride", "protocol", "setting")
+DEPTH_BINS = 5
+"""Accuracy by needle depth is reported in this many equal bins of the depth (0 = start of the context, 1 = end)."""
 
 N_PERMUTATIONS = 2000
 N_SPLITS = 100
@@ -275,7 +277,27 @@ def summarize_group(df: pd.DataFrame, stride: int, *, n_resamples: int = 2000, n
         "phases": present,
         "attention_per_phase": _attention_per_phase(df, stride),
         "cache_length": _clean(float(df["cache_length"].mean())) if "cache_length" in df else None,
+        "achieved_ratio": _mean_of(df, "achieved_ratio"),
+        "window_ratio": _mean_of(df, "window_ratio"),
+        "per_depth": _per_depth(df),
     }
+
+
+def _mean_of(df: pd.DataFrame, column: str):
+    if column not in df or df[column].isna().all():
+        return None
+    return _clean(float(df[column].astype(float).mean()))
+
+
+def _per_depth(df: pd.DataFrame):
+    """Accuracy in :data:`DEPTH_BINS` equal bins of the needle's depth, ``[mean or None, count]`` per bin: beside
+    accuracy by phase, it tells position luck (which part of the context a press keeps) from phase."""
+    if "depth" not in df or df["depth"].isna().all():
+        return None
+    bins = np.clip((df["depth"].astype(float) * DEPTH_BINS).astype(int), 0, DEPTH_BINS - 1)
+    grouped = df["score"].astype(float).groupby(bins)
+    means, counts = grouped.mean(), grouped.size()
+    return [[_clean(means.get(b)) if b in means else None, int(counts.get(b, 0))] for b in range(DEPTH_BINS)]
 
 
 def _attention_per_phase(df: pd.DataFrame, stride: int):

@@ -14,13 +14,38 @@ PRESS_DESCRIPTIONS = {
     "no_press": "no compression (the uncompressed control)",
     "chunked_stride": "ChunkedStridePress: fixed windows every stride tokens, each merged into k entries",
     "phase_aware": "PhaseAwarePress: the same cache length, the best tokens of the row kept raw (SnapKV scores shared by the KV heads), the rest pooled",
-    "snapkv": "kvpress SnapKVPress (attention of the last window's queries)",
+    "snapkv": "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
     "knorm": "kvpress KnormPress (key norm)",
     "streaming_llm": "kvpress StreamingLLMPress (sink + recent tokens)",
     "chunkkv": "kvpress ChunkKVPress(SnapKVPress) with chunks of stride tokens",
     "chunk": "kvpress ChunkPress(KnormPress) with chunks of stride tokens",
+    "expected_attention": "kvpress ExpectedAttentionPress (attention expected from future queries, extrapolated from the last hidden states)",
+    "tova": "kvpress TOVAPress (attention of the last prefill token)",
+    "keydiff": "kvpress KeyDiffPress (keys least similar to the mean key)",
+    "pyramidkv": "kvpress PyramidKVPress (SnapKV scores, budgets shrinking with depth)",
+    "kvzip": "kvpress KVzipPress (attention while the model repeats the context; global budget across layers and heads, evicted entries masked, not removed)",
 }
+QUESTION_READERS = {"snapkv", "chunkkv", "tova", "pyramidkv", "expected_attention"}
+"""kvpress presses whose scores read the last prefill tokens' queries or hidden states, so the question when it is
+compressed with the context (``--compress-question``); KnormPress, KeyDiffPress, StreamingLLMPress and ChunkPress
+read keys or positions only, and KVzip scores by reconstructing the context, whatever its end."""
+MASKING_PRESSES = {"kvzip"}
+"""kvpress presses that keep every entry and mask the evicted ones during decoding (``module.masked_key_indices``),
+so their cache is not shorter: their cache length is reported as the entries left unmasked."""
 OUR_PRESSES = ("chunked_stride", "phase_aware")
+
+
+def reads_question(spec: "PressSpec") -> bool:
+    """Whether the press ``spec`` sees the question when it is compressed with the context: the kvpress presses of
+    :data:`QUESTION_READERS`, and ours when their scores do (``PhaseAwarePress``'s default SnapKV scores; selection or
+    score weighting with a question-aware ``scorer=``)."""
+    if spec.name in QUESTION_READERS:
+        return True
+    if spec.name not in OUR_PRESSES:
+        return False
+    press = build_press(spec, 0.5, 8, None, 0)
+    return press.needs_scores and type(press.scorer).__name__ in ("SnapKVScorer", "SnapKVPress", "TOVAPress",
+                                                                   "ExpectedAttentionPress")
 PHASE_GRID_PRESSES = OUR_PRESSES  # presses whose grid offset the offset-shift protocol moves
 
 
@@ -111,7 +136,8 @@ def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: 
     With ``matched_context_length``, the kvpress baselines run at :func:`matched_ratio` for that many tokens
     instead of the nominal ratio, so that they keep as many entries as ``ChunkedStridePress`` does.
     """
-    from kvpress import ChunkKVPress, ChunkPress, KnormPress, SnapKVPress, StreamingLLMPress
+    from kvpress import (ChunkKVPress, ChunkPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress,
+                         PyramidKVPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
 
@@ -134,8 +160,27 @@ def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: 
         "streaming_llm": lambda: StreamingLLMPress(base_ratio),
         "chunkkv": lambda: ChunkKVPress(press=SnapKVPress(base_ratio), chunk_length=stride),
         "chunk": lambda: ChunkPress(press=KnormPress(base_ratio), chunk_length=stride),
+        "expected_attention": lambda: ExpectedAttentionPress(base_ratio),
+        "tova": lambda: TOVAPress(base_ratio),
+        "keydiff": lambda: KeyDiffPress(base_ratio),
+        "pyramidkv": lambda: PyramidKVPress(base_ratio),
+        "kvzip": lambda: _quiet_kvzip(KVzipPress, base_ratio),
     }
     try:
         return factories[spec.name]()
     except TypeError as exc:  # an unknown keyword in the settings
         raise ValueError(f"invalid setting for press {spec.label!r}: {exc}") from None
+
+
+def _quiet_kvzip(cls, ratio: float):
+    """KVzipPress, without the warning about its cost that kvpress logs at every construction (the evaluation
+    builds one per context; README and BENCHMARKS.md state the cost)."""
+    import logging
+
+    log = logging.getLogger("kvpress.presses.kvzip_press")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return cls(compression_ratio=ratio)
+    finally:
+        log.setLevel(level)

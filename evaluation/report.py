@@ -22,6 +22,10 @@ import pandas as pd
 from .metrics import summarize
 
 
+SETTING_LABELS = {"query_agnostic": "agnostic", "question_compressed": "question"}
+"""Short labels of the ``setting`` column in tables."""
+
+
 def _fmt(x, digits=2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -36,12 +40,14 @@ def summary_table(records: list[dict]) -> pd.DataFrame:
     for r in records:
         rows.append({
             "task": r["task"], "length": r.get("context_length"), "press": r["press"],
-            "ratio": r["compression_ratio"], "stride": r["stride"],
-            "protocol": r["protocol"], "mean": r["mean"], "worst": r["worst"], "boundary": r["boundary"],
+            "ratio": r["compression_ratio"], "achieved": r.get("achieved_ratio"), "stride": r["stride"],
+            "protocol": r["protocol"], "setting": SETTING_LABELS.get(r.get("setting"), r.get("setting") or "-"),
+            "mean": r["mean"], "worst": r["worst"], "boundary": r["boundary"],
             "p (phase test)": r["p_value"], "gap (cross-fit)": r["gap_xfit"],
             "gap 95% CI": f"[{_fmt(r['gap_xfit_ci_low'])}, {_fmt(r['gap_xfit_ci_high'])}]",
             "detectable gap": r["detectable_gap"], "plug-in gap": r["gap"], "n": r["n_samples"],
             "per phase": " ".join(_fmt(x) for x in r["per_phase"]),
+            "by depth": " ".join(_fmt(m) for m, _ in r["per_depth"]) if r.get("per_depth") else "-",
         })
     return pd.DataFrame(rows)
 
@@ -126,16 +132,22 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
     for r in records:
         if r["press"] == "no_press":
             continue
-        key = (r["task"], r.get("context_length") or 0, r["stride"], r["compression_ratio"], r["protocol"])
+        key = (r["task"], r.get("context_length") or 0, r["stride"], r["compression_ratio"], r["protocol"],
+               r.get("setting") or "query_agnostic")
         groups.setdefault(key, []).append(r)
-    for (task, length, stride, ratio, protocol), group in sorted(groups.items()):
+    for (task, length, stride, ratio, protocol, setting), group in sorted(groups.items()):
         control = [c for c in controls
-                   if (c["task"], c.get("context_length") or 0, c["stride"], c["protocol"]) == (task, length, stride,
-                                                                                               protocol)]
-        name = f"phase_{task}_n{length}_s{stride}_r{ratio:g}_{protocol}.png"
+                   if (c["task"], c.get("context_length") or 0, c["stride"], c["protocol"],
+                       c.get("setting") or "query_agnostic") == (task, length, stride, protocol, setting)]
+        tag = "" if setting == "query_agnostic" else "_question"
+        name = f"phase_{task}_n{length}_s{stride}_r{ratio:g}_{protocol}{tag}.png"
+        achieved = group[0].get("window_ratio")
+        asked = f"compression ratio {ratio:g}" + (f" (per window {achieved:.3g})" if achieved is not None
+                                                   and abs(achieved - ratio) > 1e-9 else "")
+        where = "question compressed with the context" if setting == "question_compressed" else "query-agnostic"
         plot_group(control + group, os.path.join(output_dir, name),
-                   f"{task}, {length} tokens, stride {stride}, compression ratio {ratio:g}, {protocol} protocol")
-        plots.append((name, task, length, stride, ratio, protocol))
+                   f"{task}, {length} tokens, stride {stride}, {asked}, {protocol} protocol, {where}")
+        plots.append((name, task, length, stride, ratio, f"{protocol}, {where}"))
 
     lines = ["# Phase evaluation report", ""]
     if config:
@@ -149,7 +161,11 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
         "phase below the others that the phase test detects with 80% power at this sample count, whatever the "
         "accuracy level: smaller effects may be present unseen. `plug-in gap` = best - worst of the observed means, "
         "biased upward (a description of the sample, not evidence). `boundary` = phase S-1, reported apart. "
-        "`no_press` is the uncompressed control on the same prompts.",
+        "`no_press` is the uncompressed control on the same prompts. `ratio` is the compression ratio asked for, "
+        "`achieved` the fraction of the whole cache removed (protected sink and recent tokens included; our presses' "
+        "per-window ratio is `1 - k/S`, with k from the rounding rule). `setting`: `agnostic` = the question is "
+        "appended after compression (kvpress's pipeline), `question` = compressed with the context. `by depth` = "
+        "accuracy in five equal bins of the needle's depth in the context, start to end.",
         "",
     ]
     table = summary_table(records)

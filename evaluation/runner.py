@@ -44,6 +44,9 @@ from .prompting import check_tokenizer
 from .tasks import PROTOCOLS, generate, get_task, score
 
 RESULTS_DIR = "results"
+SETTINGS = {False: "query_agnostic", True: "question_compressed"}
+"""The ``setting`` column: the question appended after compression (kvpress's pipeline, query-agnostic) or
+compressed with the context (``--compress-question``)."""
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -65,6 +68,9 @@ class EvalConfig:
     dtype: str = "float32"
     diagnostics: bool = True
     matched_cache: bool = False
+    compress_question: bool = False
+    allow_duplicate_k: bool = False
+    decode_batch: int = 16
 
     def validate(self) -> None:
         for name in self.tasks:
@@ -94,9 +100,40 @@ class EvalConfig:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.decode_batch < 1:
+            raise ValueError(f"decode batch must be >= 1, got {self.decode_batch}")
+        if not self.allow_duplicate_k:
+            duplicate = duplicate_k(self.compression_ratios, self.strides)
+            if duplicate:
+                raise ValueError(duplicate + "; drop one, or allow it explicitly (--allow-duplicate-k)")
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        values = dataclasses.asdict(self)
+        for name, default in _LATER_FIELDS.items():  # fields added later: at their defaults, old runs resume
+            if values.get(name) == default:
+                values.pop(name)
+        return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_LATER_FIELDS = {"compress_question": False, "allow_duplicate_k": False, "decode_batch": 16}
+
+
+def duplicate_k(ratios, strides) -> Optional[str]:
+    """A message when two of ``ratios`` keep the same number of entries per window at one of ``strides`` (the sweep
+    would run one configuration twice under two names), else None."""
+    from kvpress_phase.phase import kept_per_window
+
+    for stride in strides:
+        seen: dict = {}
+        for ratio in ratios:
+            if ratio == 0:
+                continue
+            k = kept_per_window(stride, ratio)
+            if k in seen and seen[k] != ratio:
+                return (f"compression ratios {seen[k]:g} and {ratio:g} both keep k={k} of {stride} tokens per window "
+                        f"at stride {stride} (per-window ratio {1 - k / stride:g}): the same configuration twice")
+            seen[k] = ratio
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -172,6 +209,7 @@ class Prefill:
     reads: frozenset = frozenset({HIDDEN_STATES, ATTENTIONS})
     offload: Optional[str] = None
     memo: dict = field(default_factory=dict, repr=False)
+    context_ids: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def captured_bytes(self) -> int:
         """Bytes held by the recorded tensors and the cache (each storage counted once)."""
@@ -229,11 +267,16 @@ class ReplayEngine:
         cache = DynamicCache()
         with capture(self.model):
             self.model.model(input_ids=context_ids.to(self.model.device), past_key_values=cache)
-        return Prefill(context_ids.shape[1], cache, capture.inputs, reads, self.offload)
+        return Prefill(context_ids.shape[1], cache, capture.inputs, reads, self.offload, context_ids=context_ids)
 
     @torch.inference_mode()
     def compressed_cache(self, state: Prefill, press: Optional[BasePress]):
-        """A cache holding ``press``'s compression of ``state`` (the original tensors are not modified)."""
+        """A cache holding ``press``'s compression of ``state`` (the original tensors are not modified).
+
+        For a press that masks instead of removing (kvpress's ``KVzipPress``) the cache is the full one; its masks
+        are :meth:`masks`."""
+        if _is_kvzip(press):
+            return self.compressed_cache(state, None)
         missing = press_reads(press) - state.reads
         if missing:
             raise ValueError(
@@ -262,6 +305,77 @@ class ReplayEngine:
             cache.layers[layer_idx].keys = new_keys
             cache.layers[layer_idx].values = new_values
         return cache
+
+    def masks(self, state: Prefill, press: Optional[BasePress]):
+        """The entries ``press`` masks in ``state``'s cache while decoding (:data:`.decoding.Masks`), or None for
+        a press that removes entries. KVzip's scores are computed once per prefill and reused for every ratio."""
+        if not _is_kvzip(press) or press.compression_ratio == 0:
+            return None
+        from .decoding import kvzip_masks, kvzip_scores
+
+        if state.offload is not None:
+            raise ValueError("KVzipPress replays the context over the full cache, which offload='cpu' does not keep")
+        if "kvzip_scores" not in state.memo:
+            state.memo["kvzip_scores"] = kvzip_scores(self.model, self.tokenizer, state.context_ids, state.cache)
+        return kvzip_masks(self.model, state.memo["kvzip_scores"], press.compression_ratio)
+
+    @torch.inference_mode()
+    def answer_many(self, state: Prefill, presses: list, question_ids: torch.Tensor, max_new_tokens: int, *,
+                    needles: Optional[list] = None, batch_size: int = 16) -> list[dict]:
+        """Greedy answers to one question under every press of ``presses``, decoded in batches.
+
+        Presses whose compressed caches are equal are decoded once (:func:`cache_fingerprint`, masks included);
+        caches of equal shapes are decoded together, up to ``batch_size`` at a time (:func:`.decoding.greedy_decode`;
+        ``batch_size=1`` gives exactly the pipeline's answers). With ``needles`` (a list of token spans), the
+        needle-attention diagnostic of every press for every span is taken from the answer's first decoding step.
+        Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
+        attends to), ``masses`` (one per needle, or None).
+        """
+        from .decoding import cache_signature, greedy_decode
+        from .diagnostics import AttentionProbe, needle_mass
+
+        out: list = [None] * len(presses)
+        decoded: dict = {}  # fingerprint -> (prediction, rows)
+        q_len = question_ids.shape[1]
+        order = sorted(range(len(presses)), key=lambda i: _press_sort_key(presses[i]))
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            built = {}
+            for i in chunk:
+                press = presses[i]
+                cache = self.compressed_cache(state, press)
+                masks = self.masks(state, press)
+                built[i] = (cache, masks, (cache_fingerprint(state, cache), _mask_fingerprint(masks)))
+            groups: dict = {}
+            for i in chunk:
+                cache, masks, fp = built[i]
+                if fp not in decoded and all(fp != built[j][2] for j in groups.get(cache_signature(cache), [])):
+                    groups.setdefault(cache_signature(cache), []).append(i)
+            for members in groups.values():
+                rows = {} if needles else None
+                probe = AttentionProbe(self.model, state.inputs, rows) if needles else None
+                answers = greedy_decode(self.model, self.tokenizer, [built[i][0] for i in members],
+                                        question_ids, state.context_length, max_new_tokens,
+                                        masks=[built[i][1] for i in members], probe=probe)
+                for j, i in enumerate(members):
+                    own = None
+                    if rows is not None:  # this row's attention, without the padding of shorter layers
+                        cache = built[i][0]
+                        own = {}
+                        for layer, r in rows.items():
+                            n = cache.layers[layer].keys.shape[2]
+                            own[layer] = torch.cat([r[j:j + 1, :, :n], r[j:j + 1, :, r.shape[-1] - q_len:]], dim=-1)
+                    decoded[built[i][2]] = (answers[j], own)
+            for i in chunk:
+                cache, masks, fp = built[i]
+                prediction, rows = decoded[fp]
+                masses = None
+                if needles:
+                    masses = [needle_mass(rows, state, presses[i], cache, needle, q_len) for needle in needles]
+                out[i] = {"prediction": prediction, "cache_length": _attended_length(cache, masks),
+                          "masses": masses}
+            del built
+        return out
 
     @torch.inference_mode()
     def answer(self, state: Prefill, press: Optional[BasePress], questions_ids: list, max_new_tokens: int,
@@ -340,6 +454,34 @@ def cache_fingerprint(state: Prefill, cache) -> tuple:
     return tuple(shapes), tuple(torch.stack(sums).tolist()) if sums else ()
 
 
+def _is_kvzip(press) -> bool:
+    from kvpress import KVzipPress
+
+    return isinstance(press, KVzipPress)
+
+
+def _mask_fingerprint(masks) -> tuple:
+    if not masks:
+        return ()
+    return tuple((layer, int(h.numel()), int((h.long() * 100003 + s.long()).sum())) for layer, (h, s) in
+                 sorted(masks.items()))
+
+
+def _attended_length(cache, masks) -> float:
+    """Mean over layers and KV heads of the cache entries decoding attends to (masked entries not counted)."""
+    total, slots = 0, 0
+    for idx, layer in enumerate(cache.layers):
+        batch, heads, n = layer.keys.shape[:3]
+        total += batch * heads * n - (int(masks[idx][0].numel()) if masks and idx in masks else 0)
+        slots += batch * heads
+    return total / max(slots, 1)
+
+
+def _press_sort_key(press) -> tuple:
+    """Order in which presses are compressed and decoded: presses of one ratio together (equal cache shapes)."""
+    return (float(getattr(press, "compression_ratio", 0.0) or 0.0), type(press).__name__)
+
+
 # ------------------------------------------------------------------------------------------------ shards
 def _read_shard(path: str) -> list[dict]:
     """Records of a JSONL shard; a torn last line (interrupted write) is cut off the file."""
@@ -365,7 +507,9 @@ def _read_shard(path: str) -> list[dict]:
 def record_key(record: dict) -> str:
     fields = ("task", "context_length", "stride", "window", "protocol", "sample_id", "phase", "press",
               "compression_ratio")
-    return "|".join(str(record[f]) for f in fields)
+    key = "|".join(str(record[f]) for f in fields)
+    setting = record.get("setting", SETTINGS[False])
+    return key if setting == SETTINGS[False] else f"{key}|{setting}"  # keys of earlier runs stay valid
 
 
 def read_results(output_dir: str) -> pd.DataFrame:
@@ -379,8 +523,11 @@ def read_results(output_dir: str) -> pd.DataFrame:
     if not records:
         return pd.DataFrame()
     df = pd.DataFrame(records).drop_duplicates("key", keep="first")
-    order = ["task", "context_length", "stride", "window_sort", "protocol", "sample_id", "phase", "press",
-             "compression_ratio"]
+    if "setting" not in df:
+        df["setting"] = SETTINGS[False]
+    df["setting"] = df["setting"].fillna(SETTINGS[False])  # runs from before the setting existed
+    order = ["task", "context_length", "stride", "window_sort", "protocol", "setting", "sample_id", "phase",
+             "press", "compression_ratio"]
     df["window_sort"] = df["window"].astype(float).fillna(0.0)
     return df.sort_values(order, kind="stable").drop(columns="window_sort").reset_index(drop=True)
 
@@ -565,86 +712,95 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
     return results
 
 
+def prefill_prompt(row: dict, compress_question: bool) -> tuple[str, str]:
+    """``(context, question)`` as handed to the pipeline: with ``compress_question`` the question is appended to the
+    context (compressed with it) and the question left empty, as kvpress's evaluation does (``compress_questions``);
+    the answer is decoded after the chat template's question suffix and the answer prefix."""
+    if compress_question:
+        return row["context"] + row["question"], ""
+    return row["context"], row["question"]
+
+
 def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
     """Answer every (row, variant) of ``unit`` not yet in ``done``, appending one record per answer to ``shard``.
 
-    Rows that share a context share one prefill, and three kinds of reuse keep the answers those of one pipeline
-    call per variant: a variant that does not depend on the row (a press without a grid offset) is answered once
-    per context and question; a variant whose compressed cache equals an earlier one's (``cache_fingerprint``, e.g.
-    an aligned PhaseAwarePress, whose grid does not use the offset) reuses that answer; and the uncompressed
-    reference of the diagnostic comes from the ``no_press`` variant's forward when there is one.
+    Rows that share a prompt share one prefill, and every distinct compressed cache of the prompt is decoded once
+    (:meth:`ReplayEngine.answer_many`, in batches of ``config.decode_batch``): a variant that does not depend on the
+    row (a press without a grid offset) is answered once per prompt, and variants whose caches are equal share their
+    answer. The uncompressed reference of the diagnostic comes from the ``no_press`` variant's decoding when there
+    is one, else from one question forward.
     """
     from .diagnostics import needle_mass
 
     # what the unit's presses read decides what the prefill records (offsets do not change it)
     reads_of = [build_press(spec, ratio, unit.stride, window, 0) for spec, ratio, window in unit_variants]
-    prefills: dict[str, Prefill] = {}
-    encodings: dict[tuple, dict] = {}
-    memo: dict[tuple, tuple] = {}  # (context, question, variant, offset) -> (prediction, cache length, mass)
-    decoded: dict[tuple, tuple] = {}  # (context, question, cache fingerprint) -> (prediction, attention rows)
-    full_masses: dict[tuple, float] = {}
+    setting = SETTINGS[config.compress_question]
+    prompts: dict[tuple, list] = {}
     for row in unit.rows:
-        for spec, ratio, window in unit_variants:
-            record = {
-                "task": unit.task, "context_length": unit.context_length, "stride": unit.stride,
-                "window": window, "protocol": row["protocol"], "sample_id": row["sample_id"],
-                "phase": row["phase"], "press": spec.label, "compression_ratio": ratio,
-            }
-            record["key"] = record_key(record)
-            if record["key"] in done:
-                bar.update(1)
-                continue
-            context = row["context"]
-            prompt = (context, row["question"], row["answer_prefix"], row["max_new_tokens"])
-            if prompt not in encodings:
-                encodings[prompt] = engine.encode(context, [row["question"]], row["answer_prefix"])
-            encoded = encodings[prompt]
-            if context not in prefills:
-                prefills.clear()  # one prefill at a time: the rows of a unit come grouped by context
-                prefills[context] = engine.prefill(encoded["context_ids"], presses=reads_of)
-            state = prefills[context]
-            question_ids = encoded["questions_ids"][0]
-            needle = (row["needle_token_start"], row["needle_token_end"])
-            offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
-            memo_key = (prompt, spec.label, ratio, window, offset)
-            if memo_key not in memo:
-                press = build_press(spec, ratio, unit.stride, window, offset,
-                                    matched_context_length=state.context_length if config.matched_cache else None)
-                cache = engine.compressed_cache(state, press)
-                cache_len = cache.get_seq_length(0)
-                same_cache = (prompt, cache_fingerprint(state, cache))
-                if same_cache in decoded:
-                    prediction, rows = decoded[same_cache]
-                    if config.diagnostics and rows is None:  # rows too large to keep: one question forward
-                        rows, cache = engine.attention_rows(state, press, question_ids, cache=cache)
+        context, question = prefill_prompt(row, config.compress_question)
+        prompts.setdefault((context, question, row["answer_prefix"], row["max_new_tokens"]), []).append(row)
+    for prompt, rows in prompts.items():
+        pending = []
+        for row in rows:
+            for spec, ratio, window in unit_variants:
+                record = {
+                    "task": unit.task, "context_length": unit.context_length, "stride": unit.stride,
+                    "window": window, "protocol": row["protocol"], "sample_id": row["sample_id"],
+                    "phase": row["phase"], "press": spec.label, "compression_ratio": ratio, "setting": setting,
+                }
+                record["key"] = record_key(record)
+                if record["key"] in done:
+                    bar.update(1)
                 else:
-                    rows = {} if config.diagnostics else None
-                    answers, cache = engine.answer(state, press, encoded["questions_ids"], row["max_new_tokens"],
-                                                   attention_rows=rows, cache=cache)
-                    prediction = answers[0]
-                    small = rows is not None and sum(r.nbytes for r in rows.values()) <= KEPT_ROWS_BYTES
-                    decoded[same_cache] = (prediction, rows if small else None)
-                mass = None
-                if rows is not None:  # the entries' source spans are this press's own
-                    mass = needle_mass(rows, state, press, cache, needle, question_ids.shape[1])
-                    if press is None:  # the uncompressed reference, from the same forward
-                        full_masses[prompt] = mass
-                press_ratio = getattr(press, "compression_ratio", 0.0) if press is not None else 0.0
-                memo[memo_key] = (prediction, cache_len, mass, press_ratio)
-                del cache, rows  # before the next variant's cache is built
-            prediction, cache_len, mass, press_ratio = memo[memo_key]
-            full_mass = None
-            if config.diagnostics:
-                if prompt not in full_masses:  # no uncompressed variant run for this prompt: one question forward
-                    rows, cache = engine.attention_rows(state, None, question_ids)
-                    full_masses[prompt] = needle_mass(rows, state, None, cache, needle, question_ids.shape[1])
-                full_mass = full_masses[prompt]
+                    pending.append((row, spec, ratio, window, record))
+        if not pending:
+            continue
+        context, question, answer_prefix, max_new_tokens = prompt
+        encoded = engine.encode(context, [question], answer_prefix)
+        if config.compress_question:
+            _check_question_appended(engine, rows[0], encoded)
+        state = engine.prefill(encoded["context_ids"], presses=reads_of)
+        question_ids = encoded["questions_ids"][0]
+        needles = sorted({(row["needle_token_start"], row["needle_token_end"]) for row, *_ in pending})
+        jobs: dict[tuple, int] = {}
+        presses = []
+        for row, spec, ratio, window, record in pending:
+            offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
+            job = (spec.label, ratio, window, offset)
+            if job not in jobs:
+                jobs[job] = len(presses)
+                presses.append(build_press(spec, ratio, unit.stride, window, offset,
+                                           matched_context_length=state.context_length if config.matched_cache
+                                           else None))
+        answers = engine.answer_many(state, presses, question_ids, max_new_tokens,
+                                     needles=needles if config.diagnostics else None,
+                                     batch_size=config.decode_batch)
+        full_masses: dict = {}
+        if config.diagnostics:
+            plain = [i for i, p in enumerate(presses) if p is None]
+            if plain:
+                full_masses = dict(zip(needles, answers[plain[0]]["masses"]))
+            else:  # no uncompressed variant run for this prompt: one question forward
+                att, cache = engine.attention_rows(state, None, question_ids)
+                full_masses = {n: needle_mass(att, state, None, cache, n, question_ids.shape[1]) for n in needles}
+        for row, spec, ratio, window, record in pending:
+            offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
+            i = jobs[(spec.label, ratio, window, offset)]
+            press, result = presses[i], answers[i]
+            needle = (row["needle_token_start"], row["needle_token_end"])
+            mass = result["masses"][needles.index(needle)] if result["masses"] is not None else None
+            full_mass = full_masses.get(needle)
+            cache_len = result["cache_length"]
             record.update({
                 "offset": row["offset"], "seed": row["seed"], "depth": row["depth"],
-                "context_tokens": row["context_length"], "answer_token_start": row["answer_token_start"],
-                "answer": list(row["answer"]), "prediction": prediction,
-                "score": score(prediction, row["answer"], unit.task), "cache_length": cache_len,
-                "press_ratio": press_ratio,
+                "context_tokens": row["context_length"], "prefill_tokens": state.context_length,
+                "answer_token_start": row["answer_token_start"],
+                "answer": list(row["answer"]), "prediction": result["prediction"],
+                "score": score(result["prediction"], row["answer"], unit.task),
+                "cache_length": round(cache_len, 2) if cache_len != int(cache_len) else int(cache_len),
+                "press_ratio": getattr(press, "compression_ratio", 0.0) if press is not None else 0.0,
+                "window_ratio": getattr(press, "window_ratio", None),
+                "achieved_ratio": round(1.0 - cache_len / state.context_length, 6),
                 "needle_attention": mass,
                 "needle_attention_ratio": (mass / full_mass) if mass is not None and full_mass else None,
             })
@@ -652,3 +808,13 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
             shard.flush()
             done.add(record["key"])
             bar.update(1)
+
+
+def _check_question_appended(engine, row: dict, encoded: dict) -> None:
+    """With the question compressed, the context's tokens must open the prefill unchanged (positions and phases are
+    those of the context alone); ValueError naming the task otherwise."""
+    alone = engine.encode(row["context"], [row["question"]], row["answer_prefix"])["context_ids"]
+    end = min(alone.shape[1], row["needle_token_end"] + 1)
+    if not torch.equal(alone[0, :end], encoded["context_ids"][0, :end]):
+        raise ValueError(f"task {row['task']!r}: appending the question changes the context's tokens before the "
+                         "needle, so --compress-question would move the needle off its phase")
