@@ -33,7 +33,7 @@ for rows of ``dataset``) and each micro-batch's context length are drawn too. Ev
 seeded by (seed, step, micro-batch[, example]), so the data and presses of a step are a pure function of the
 configuration and the step: a resumed run is the uninterrupted run.
 
-The loop, checkpoints, progress bar and export are :mod:`.training`'s, shared with the built-in model's
+The loop, checkpoints, progress bar and export are :mod:`.loop`'s, shared with the built-in model's
 trainer (:mod:`.train_builtin_model`). On CUDA, ``dtype="bfloat16"`` (the default there) runs forward and backward
 under bfloat16 autocast with float32 master weights; with LoRA (``lora=True``, through ``peft``) the frozen base
 model is loaded in bfloat16 and the adapters train in float32, and the exported model has the adapters merged
@@ -157,8 +157,8 @@ class FinetuneConfig:
     # -------------------------------------------------------------------------------- validation
     def validate(self) -> None:
         """ValueError naming the first invalid setting (checks that need no model or tokenizer)."""
-        from .presses import OUR_PRESSES, parse_press_spec
-        from .tasks import get_task
+        from kvpress_phase.evaluation.presses import OUR_PRESSES, parse_press_spec
+        from kvpress_phase.evaluation.tasks import get_task
 
         keys = {item.partition("=")[0].strip() for item in str(self.press).split(":")[1:]}
         for key in ("compression_ratio", "stride", "offset", "window"):
@@ -226,7 +226,7 @@ class FinetuneConfig:
     # -------------------------------------------------------------------------------- draws
     def build_press(self, ratio: float, stride: int, offset: int):
         """The press of one micro-batch (its kernels forced to the differentiable PyTorch backend)."""
-        from .presses import PressSpec, build_press, parse_press_spec
+        from kvpress_phase.evaluation.presses import PressSpec, build_press, parse_press_spec
 
         spec = parse_press_spec(self.press)
         options = dict(spec.options)
@@ -286,7 +286,7 @@ class ExampleSource:
 
     def check(self) -> None:
         """ValueError when a task cannot produce an example at one of the context lengths."""
-        from .tasks import training_example
+        from kvpress_phase.evaluation.tasks import training_example
 
         for task in self.names:
             if task == "dataset":
@@ -299,7 +299,7 @@ class ExampleSource:
                     raise ValueError(f"task {task!r} does not fit a context of {length} tokens: {exc}") from None
 
     def dataset_example(self, index: int) -> dict:
-        from .tasks import training_sequence
+        from kvpress_phase.evaluation.tasks import training_sequence
 
         if index not in self._encoded:
             row = self.rows[index]
@@ -310,7 +310,7 @@ class ExampleSource:
 
     def micro_batch(self, step: int, micro: int) -> tuple[list[dict], list[str], int]:
         """Examples, their kinds (task names or ``"dataset"``) and the generated examples' context length."""
-        from .tasks import training_example
+        from kvpress_phase.evaluation.tasks import training_example
 
         config = self.config
         lengths = config.context_lengths or [0]
@@ -333,7 +333,7 @@ def _as_list(answer) -> list[str]:
 
 def load_dataset_rows(path: str, split: str):
     """Rows of a user dataset in kvpress's schema; ValueError when it cannot be read or lacks a column."""
-    from .tasks import load_hub_tasks
+    from kvpress_phase.evaluation.tasks import load_hub_tasks
 
     if not os.path.exists(path):
         raise ValueError(f"dataset {path!r} does not exist")
@@ -472,7 +472,7 @@ def forward_group(model, examples: list[dict], press, pad_id: int, autocast):
                 lm.model(input_ids=context, past_key_values=cache, use_cache=True)
         cache_length = cache.get_seq_length()
         logits = lm(input_ids=qa, past_key_values=cache, position_ids=positions, use_cache=True).logits
-    from .training import answer_exact_match
+    from .loop import answer_exact_match
 
     shifted = logits[:, :-1].float()
     loss_sum = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1),
@@ -496,7 +496,7 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
 
     import torch
 
-    from .training import cosine_lr, load_checkpoint, parameter_groups, run_training
+    from .loop import cosine_lr, load_checkpoint, parameter_groups, run_training
 
     config.validate()
     if checkpoint_every < 1:
@@ -514,7 +514,7 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
         tokenizer = load_tokenizer(config, path)
     elif tokenizer is None:
         raise ValueError("a model object needs its tokenizer")
-    from .prompting import check_tokenizer
+    from kvpress_phase.evaluation.prompting import check_tokenizer
 
     check_tokenizer(tokenizer)  # the pipeline layout the examples follow needs a fast tokenizer with BOS or template
     source = ExampleSource(config, tokenizer)
@@ -566,7 +566,7 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
                          config=record, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                          state=state, postfix=postfix, clip=config.clip, progress=progress, desc="train",
                          stop_after_s=None if max_minutes is None else 60 * max_minutes)
-    log = {"config": record, "trainer": "kvpress_phase.evaluation.finetune", "command": command,
+    log = {"config": record, "trainer": "kvpress_phase.training.finetune", "command": command,
            "device": device, "dtype": dtype, "n_parameters": sum(p.numel() for p in base_model(model).parameters()),
            "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "steps_done": state["step"], "history": state["history"]}
@@ -577,8 +577,8 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
 
 def export_finetuned(model, tokenizer, output_dir: str, log: dict, builtin: bool) -> None:
     """Export a plain transformers model (LoRA adapters merged; the adapter alone in ``adapter/``)."""
-    from .tokenizer import save_tokenizer
-    from .training import export_model
+    from kvpress_phase.evaluation.tokenizer import save_tokenizer
+    from .loop import export_model
 
     if hasattr(model, "merge_and_unload"):
         model.save_pretrained(os.path.join(output_dir, "adapter"))

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kvpress_phase.evaluation import cli
-from kvpress_phase.evaluation import finetune as ft
-from kvpress_phase.evaluation.finetune import FinetuneConfig, finetune, forward_group
+from kvpress_phase.training import finetune as ft
+from kvpress_phase.training.finetune import FinetuneConfig, finetune, forward_group
 from kvpress_phase.evaluation.tasks import generate, training_example
 from kvpress_phase.evaluation.tokenizer import build_tokenizer, save_tokenizer
 
@@ -188,7 +188,7 @@ def test_fine_tuning_from_a_path_exports_a_model_the_evaluation_loads(model_dir,
                      "--strides", "4", "--context-lengths", "128", "--samples", "1", "--output-dir",
                      str(tmp_path / "eval"), "--no-progress", "--bootstrap", "100"]) == 0
     # its card: recipe and training log from training_log.json, accuracy from the evaluation's summary
-    from kvpress_phase.evaluation.model_card import render_finetuned
+    from kvpress_phase.training.model_card import render_finetuned
 
     card = render_finetuned(str(out), [str(tmp_path / "eval")], "tiny")
     assert "2 steps of" in card and "`phase_aware` in the loop" in card
