@@ -48,6 +48,8 @@ import random
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
+from kvpress_phase.evaluation.arguments import csv_list, first_line, resolve_device
+
 DEFAULT_TASKS = {"niah_single": 1.0, "niah_multikey": 1.0, "niah_multiquery": 1.0, "niah_multivalue": 1.0}
 """Task mix of the fine-tuning data by default (the retrieval tasks of the phase study and their siblings)."""
 
@@ -340,7 +342,7 @@ def load_dataset_rows(path: str, split: str):
     try:
         ds = load_hub_tasks(path, split=split)
     except (ValueError, OSError) as exc:
-        raise ValueError(f"dataset {path!r} cannot be read: {_first_line(exc)}") from None
+        raise ValueError(f"dataset {path!r} cannot be read: {first_line(exc)}") from None
     missing = [c for c in ("context", "question", "answer") if c not in ds.column_names]
     if missing:
         raise ValueError(f"dataset {path!r} lacks the column(s) {', '.join(missing)} of kvpress's schema")
@@ -364,17 +366,13 @@ def resolve_model(config: FinetuneConfig) -> tuple[str, bool]:
         raise ValueError(str(exc)) from None
 
 
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-
-
 def load_tokenizer(config: FinetuneConfig, path: str):
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"model {config.model or path!r} cannot be loaded: {_first_line(exc)}") from None
+        raise ValueError(f"model {config.model or path!r} cannot be loaded: {first_line(exc)}") from None
 
 
 def load_model(config: FinetuneConfig, path: str, device: str):
@@ -386,7 +384,7 @@ def load_model(config: FinetuneConfig, path: str, device: str):
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if lora_bf16 else torch.float32)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"model {config.model or path!r} cannot be loaded: {_first_line(exc)}") from None
+        raise ValueError(f"model {config.model or path!r} cannot be loaded: {first_line(exc)}") from None
 
 
 def apply_lora(model, config: FinetuneConfig):
@@ -405,19 +403,6 @@ def apply_lora(model, config: FinetuneConfig):
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=list(config.lora_targets), task_type="CAUSAL_LM")
     return get_peft_model(model, lora)
-
-
-def resolve_device(text: str) -> str:
-    """``cpu``/``cuda[:N]`` from ``auto``, ``cpu``, ``cuda`` or ``cuda:N``; ValueError when unavailable."""
-    import torch
-
-    if text == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if text.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {text}: no CUDA device is available")
-    if text != "cpu" and not text.startswith("cuda"):
-        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {text!r}")
-    return text
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -588,19 +573,6 @@ def export_finetuned(model, tokenizer, output_dir: str, log: dict, builtin: bool
 
 
 # ------------------------------------------------------------------------------------------------ command line
-def _csv(cast, name):
-    def parse(text: str):
-        try:
-            values = [cast(x) for x in text.split(",") if x.strip() != ""]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} takes a comma-separated list, got {text!r}") from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"{name} must not be empty")
-        return values
-
-    return parse
-
-
 def _weights(text: str) -> dict:
     """``niah_single:2,niah_multikey`` -> ``{"niah_single": 2.0, "niah_multikey": 1.0}``."""
     out = {}
@@ -642,11 +614,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                    "hub id (default: the built-in model)")
     parser.add_argument("--press", default=S, help=f"chunked_stride or phase_aware, optionally with :key=value "
                                                    f"settings (default: {d.press})")
-    parser.add_argument("--ratios", type=_csv(float, "--ratios"), default=S,
+    parser.add_argument("--ratios", type=csv_list(float, "--ratios"), default=S,
                         help="compression ratios drawn per micro-batch (default: 0.5)")
     parser.add_argument("--ratio-range", type=_range, default=S,
                         help="LOW:HIGH, draw the ratio uniformly in the range instead of from --ratios")
-    parser.add_argument("--strides", type=_csv(int, "--strides"), default=S, help="strides drawn (default: 8)")
+    parser.add_argument("--strides", type=csv_list(int, "--strides"), default=S, help="strides drawn (default: 8)")
     parser.add_argument("--offset-mode", choices=OFFSET_MODES, default=S,
                         help="grid offset: fixed (--offset) or random in [0, stride) per micro-batch (default: random)")
     parser.add_argument("--offset", type=int, default=S, help="offset of --offset-mode fixed (default: 0)")
@@ -662,7 +634,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-split", default=S, help="split of --dataset (default: test)")
     parser.add_argument("--dataset-weight", type=float, default=S,
                         help="weight of the dataset's rows beside the task weights (default: 1)")
-    parser.add_argument("--context-lengths", type=_csv(int, "--context-lengths"), default=S,
+    parser.add_argument("--context-lengths", type=csv_list(int, "--context-lengths"), default=S,
                         help="context lengths of the generated examples (default: 512,1024)")
     for name, help_text in [("steps", "optimizer steps"), ("batch-size", "examples per micro-batch"),
                             ("grad-accum", "micro-batches per optimizer step"), ("warmup", "warm-up steps"),
@@ -677,7 +649,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"{help_text} (default: {getattr(d, name.replace('-', '_'))})")
     parser.add_argument("--lora", type=_bool, nargs="?", const=True, default=S,
                         help="train LoRA adapters through peft instead of every weight")
-    parser.add_argument("--lora-targets", type=_csv(str, "--lora-targets"), default=S,
+    parser.add_argument("--lora-targets", type=csv_list(str, "--lora-targets"), default=S,
                         help="linear layers that get adapters (default: q_proj,k_proj,v_proj,o_proj)")
     parser.add_argument("--dtype", choices=DTYPES, default=S,
                         help="auto: bfloat16 autocast on CUDA, float32 on the CPU (default: auto)")
