@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list task, press and built-in model names",
                    description="List the task, press and built-in model names.")
 
-    from kvpress_phase.training.finetune import __doc__ as train_doc, add_arguments as add_train_arguments
+    from kvpress_phase.training.cli import add_arguments as add_train_arguments
+    from kvpress_phase.training.finetune import __doc__ as train_doc
 
     tr = sub.add_parser("train", help="fine-tune a model with a press in the loop", description=train_doc,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +131,7 @@ def _cmd_list() -> int:
 
 
 def _cmd_train(args, argv) -> int:
-    from kvpress_phase.training.finetune import run_from_args
+    from kvpress_phase.training.cli import run_from_args
 
     command = "kvpress-phase " + " ".join(argv if argv is not None else sys.argv[1:])
     try:

@@ -32,7 +32,7 @@ _LAZY = {
     "builtin_model_path": "kvpress_phase.builtin",
     "load_builtin_model": "kvpress_phase.builtin",
     "BUILTIN_MODELS": "kvpress_phase.builtin",
-    "FinetuneConfig": "kvpress_phase.training.finetune",
+    "FinetuneConfig": "kvpress_phase.training.config",
     "finetune": "kvpress_phase.training.finetune",
 }
 
