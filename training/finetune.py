@@ -68,7 +68,7 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
 
     import torch
 
-    from .loop import cosine_lr, load_checkpoint, parameter_groups, run_training
+    from .loop import adamw, cosine_lr, load_checkpoint, run_training
 
     config.validate()
     if checkpoint_every < 1:
@@ -101,7 +101,7 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
         autocast = lambda: torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)  # noqa: E731
     else:
         autocast = contextlib.nullcontext
-    optimizer = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98))
+    optimizer = adamw(model, config.lr, config.weight_decay)
     record = config.checkpoint_record()
     state = load_checkpoint(checkpoint_dir, record, model, optimizer)
 

@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .loop import (
+    adamw,
     answer_exact_match,
     cosine_lr,
     export_model,
     load_checkpoint,
     new_state,
-    parameter_groups,
     plot_loss,  # noqa: F401  (re-exported)
     run_training,
     token_accuracy,
@@ -236,7 +236,7 @@ def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_
         torch.set_num_threads(threads)
     tokenizer = build_tokenizer()
     model = build_model(config, tokenizer)
-    optimizer = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98))
+    optimizer = adamw(model, config.lr, config.weight_decay)
     record = asdict(config)
     state = load_checkpoint(checkpoint_dir, record, model, optimizer)
     if export_only:
