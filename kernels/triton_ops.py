@@ -56,6 +56,33 @@ _SIZE_ARGS = ["n", "cl", "nw", "n_raw", "n_wblk"]
 
 
 # ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _row_offsets(H, cl, skb, skh, svb, svh, ssb, ssh, DK, DV):
+    """The (batch, head) row of this program (grid axis 1) and its base offsets: into keys, values and scores
+    through their strides, and into the contiguous outputs (keys, values, positions) of ``cl`` entries a row."""
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    row = pid_bh.to(tl.int64)
+    return row, b * skb + h * skh, b * svb + h * svh, b * ssb + h * ssh, row * cl * DK, row * cl * DV, row * cl
+
+
+@triton.jit
+def _head_dims(DK, DV, BDK: tl.constexpr, BDV: tl.constexpr):
+    """The key and value head-dimension tiles and their masks."""
+    dk = tl.arange(0, BDK)
+    dv = tl.arange(0, BDV)
+    return dk, dv, dk < DK, dv < DV
+
+
+@triton.jit
+def _rotary_tile(INVF, HALF, BH: tl.constexpr):
+    """The tile of one rotary half, its mask, and the inverse frequencies (float32, ``(BH,)``)."""
+    dh = tl.arange(0, BH)
+    hm = dh < HALF
+    return dh, hm, tl.load(INVF + dh, mask=hm, other=0.0)
+
+
 @triton.jit(do_not_specialize=_SIZE_ARGS)
 def _select_kernel(
     K, V, SC, FIRST, OK, OV, OP,
@@ -66,23 +93,11 @@ def _select_kernel(
     BDK: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr,
 ):
     pid_blk = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    row = pid_bh.to(tl.int64)
-    kbase = b * skb + h * skh
-    vbase = b * svb + h * svh
-    okbase = row * cl * DK
-    ovbase = row * cl * DV
-    opbase = row * cl
+    row, kbase, vbase, sbase, okbase, ovbase, opbase = _row_offsets(H, cl, skb, skh, svb, svh, ssb, ssh, DK, DV)
     first = tl.load(FIRST + row).to(tl.int32)
-    dk = tl.arange(0, BDK)
-    dv = tl.arange(0, BDV)
-    dkm = dk < DK
-    dvm = dv < DV
+    dk, dv, dkm, dvm = _head_dims(DK, DV, BDK, BDV)
 
     if pid_blk < n_wblk:
-        sbase = b * ssb + h * ssh
         w = pid_blk * BNW + tl.arange(0, BNW)
         wm = w < nw
         start = first + w * S  # (BNW,)
@@ -147,31 +162,17 @@ def _pool_kernel(
     BH: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
 ):
     pid_blk = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    row = pid_bh.to(tl.int64)
-    kbase = b * skb + h * skh
-    vbase = b * svb + h * svh
-    okbase = row * cl * DK
-    ovbase = row * cl * DV
-    opbase = row * cl
+    row, kbase, vbase, sbase, okbase, ovbase, opbase = _row_offsets(H, cl, skb, skh, svb, svh, ssb, ssh, DK, DV)
     first = tl.load(FIRST + row).to(tl.int32)
-    dk = tl.arange(0, BDK)
-    dv = tl.arange(0, BDV)
-    dkm = dk < DK
-    dvm = dv < DV
+    dk, dv, dkm, dvm = _head_dims(DK, DV, BDK, BDV)
 
     if pid_blk < n_wblk:
-        sbase = b * ssb + h * ssh
         w = pid_blk * BNW + tl.arange(0, BNW)
         wm = w < nw
         start = first + w * S  # (BNW,)
         last = n - 1
         if ROPE != 0:
-            dh = tl.arange(0, BH)
-            hm = dh < HALF
-            freq = tl.load(INVF + dh, mask=hm, other=0.0)  # (BH,) float32
+            dh, hm, freq = _rotary_tile(INVF, HALF, BH)
             if HAS_REST:
                 dr = tl.arange(0, BR)
                 rest_m = dr < DK - 2 * HALF
@@ -313,24 +314,12 @@ def _keep_pool_kernel(
     BH: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
 ):
     pid_blk = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    row = pid_bh.to(tl.int64)
-    kbase = b * skb + h * skh
-    vbase = b * svb + h * svh
-    okbase = row * cl * DK
-    ovbase = row * cl * DV
-    opbase = row * cl
+    row, kbase, vbase, sbase, okbase, ovbase, opbase = _row_offsets(H, cl, skb, skh, svb, svh, ssb, ssh, DK, DV)
     rbase = row * n
     first = tl.load(FIRST + row).to(tl.int32)
-    dk = tl.arange(0, BDK)
-    dv = tl.arange(0, BDV)
-    dkm = dk < DK
-    dvm = dv < DV
+    dk, dv, dkm, dvm = _head_dims(DK, DV, BDK, BDV)
 
     if pid_blk < n_wblk:
-        sbase = b * ssb + h * ssh
         w = pid_blk * BNW + tl.arange(0, BNW)
         wm = w < nw
         start = first + w * G  # (BNW,)
@@ -339,9 +328,7 @@ def _keep_pool_kernel(
         lm = tl.load(LM + wrow, mask=wm, other=0)
         mat = tl.load(MAT + wrow, mask=wm, other=0).to(tl.int64)
         if ROPE != 0:
-            dh = tl.arange(0, BH)
-            hm = dh < HALF
-            freq = tl.load(INVF + dh, mask=hm, other=0.0)
+            dh, hm, freq = _rotary_tile(INVF, HALF, BH)
             if HAS_REST:
                 dr = tl.arange(0, BR)
                 rest_m = dr < DK - 2 * HALF

@@ -12,12 +12,15 @@ import os
 
 __version__ = "0.1.0"
 
-# In a source checkout that was not installed, the sub-packages `kvpress_phase.kernels` and
-# `kvpress_phase.evaluation` live in the top-level folders `kernels/` and `evaluation/` (pyproject.toml maps
-# them into this namespace when the package is installed). Make them importable from the checkout too.
+# In a source checkout that was not installed, the sub-packages `kvpress_phase.kernels`, `kvpress_phase.evaluation`
+# and `kvpress_phase.training` live in the top-level folders `kernels/`, `evaluation/` and `training/`
+# (pyproject.toml maps them into this namespace when the package is installed). Make them importable from the
+# checkout too.
+_SOURCE_FOLDERS = ("kernels", "evaluation", "training")
 _here = os.path.dirname(os.path.abspath(__file__))
 _root = os.path.dirname(_here)
-if not os.path.isdir(os.path.join(_here, "kernels")) and os.path.isfile(os.path.join(_root, "kernels", "__init__.py")):
+if any(not os.path.isdir(os.path.join(_here, name)) and os.path.isfile(os.path.join(_root, name, "__init__.py"))
+       for name in _SOURCE_FOLDERS):
     __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
 
 _LAZY = {
@@ -29,8 +32,8 @@ _LAZY = {
     "builtin_model_path": "kvpress_phase.builtin",
     "load_builtin_model": "kvpress_phase.builtin",
     "BUILTIN_MODELS": "kvpress_phase.builtin",
-    "FinetuneConfig": "kvpress_phase.evaluation.finetune",
-    "finetune": "kvpress_phase.evaluation.finetune",
+    "FinetuneConfig": "kvpress_phase.training.config",
+    "finetune": "kvpress_phase.training.finetune",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -5,7 +5,7 @@ Three are registered (:data:`BUILTIN_MODELS`); every ``--model`` flag and :func:
 * ``"builtin"`` (the default): trained without compression. It is what ``kvpress-phase eval`` uses when no
   ``--model`` is given, the model of the post-hoc study (presses applied to a model that never saw a
   compressed cache). How it was trained, and what it can do, is in ``MODEL_CARD.md``;
-  ``python -m kvpress_phase.evaluation.train_builtin_model`` rebuilds it.
+  ``python -m kvpress_phase.training.train_builtin_model`` rebuilds it.
 * ``"chunked"``: the same model fine-tuned with ``ChunkedStridePress`` in the loop (random ratios, strides and
   grid offsets), the trained-in regime. ``kvpress-phase train --recipe chunked`` builds it; until then its
   folder is absent and asking for it raises ``FileNotFoundError`` naming that command.
@@ -55,7 +55,7 @@ BUILTIN_MODELS: dict[str, Union[BuiltinModel, WheelModel]] = {
         BuiltinModel(
             "builtin", "builtin_model",
             "1.1M-parameter Llama trained without compression (the post-hoc study)",
-            "python -m kvpress_phase.evaluation.train_builtin_model",
+            "python -m kvpress_phase.training.train_builtin_model",
         ),
         BuiltinModel(
             "chunked", "builtin_model_chunked",
@@ -101,7 +101,7 @@ def builtin_training_length(name: str = DEFAULT_MODEL) -> Optional[int]:
         return None
     with open(os.path.join(builtin_model_path(name), "training_log.json")) as fh:
         config = json.load(fh)["config"]
-    if "context_lengths" in config:  # fine-tuned with a press in the loop (evaluation/finetune.py)
+    if "context_lengths" in config:  # fine-tuned with a press in the loop (training/finetune.py)
         return max(config["context_lengths"])
     return max(config["lengths"] + config.get("extend_lengths", []))
 

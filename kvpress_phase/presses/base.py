@@ -20,39 +20,12 @@ from torch import nn
 from kvpress_phase.kernels import BACKENDS, ROPE_MODES, WEIGHTINGS, Compressed, pool_windows, select_windows
 from kvpress_phase.phase import WindowLayout, group_bounds, kept_per_window, ratio_mismatch, window_ratio
 from kvpress_phase.presses import decoding as _decoding
+from kvpress_phase.presses.stats import LayerStats
 from kvpress_phase.rope import rotary_inv_freq
 
 logger = logging.getLogger(__name__)
 
 MODES = ("select", "pool")
-
-
-@dataclass
-class LayerStats:
-    """What a press did to one layer's cache during the last prefill."""
-
-    seq_len: int
-    compressed_length: int
-    achieved_ratio: float
-    layout: Optional[WindowLayout]
-    positions: Optional[torch.Tensor]
-    """``(batch, heads, compressed_length)`` int32: source position of each kept entry (first position of its
-    group for a pooled entry); ``None`` when the layer passed through unchanged."""
-    ends: Optional[torch.Tensor] = None
-    """``(batch, heads, compressed_length)`` int32: one past the last source position each entry covers (the
-    group end for a pooled entry, ``position + 1`` for a raw or selected token)."""
-    requested_ratio: Optional[float] = None
-    """The press's ``compression_ratio``."""
-    window_ratio: Optional[float] = None
-    """The per-window ratio achieved, ``1 - k / stride`` (see :func:`kvpress_phase.phase.kept_per_window`);
-    ``achieved_ratio`` is over the whole cache, protected tokens included."""
-
-    @property
-    def phases(self) -> Optional[torch.Tensor]:
-        """Phase of every kept entry under its row's grid (``None`` when the layer was not compressed)."""
-        if self.layout is None or self.positions is None:
-            return None
-        return self.layout.phases(self.positions.long())
 
 
 def _check_int(name: str, value, low: int, high: Optional[int] = None) -> None:

@@ -42,6 +42,8 @@ from torch import nn
 from transformers import QuantizedCache
 
 from kvpress_phase.phase import WindowLayout, n_windows
+from kvpress_phase.presses.scorers import SnapKVScorer
+from kvpress_phase.presses.stats import LayerStats
 
 
 @dataclass
@@ -220,8 +222,6 @@ def _tail_scores(press, module, hidden_states, keys, values, kwargs) -> torch.Te
 
     :class:`SnapKVScorer` (``PhaseAwarePress``'s default) has no window of context queries here: it scores the tail
     by the current step's query (:meth:`SnapKVScorer.decoding_scores`)."""
-    from kvpress_phase.presses.scorers import SnapKVScorer
-
     if isinstance(press.scorer, SnapKVScorer) and kwargs and kwargs.get("position_embeddings") is not None:
         return SnapKVScorer.decoding_scores(module, hidden_states, keys, kwargs["position_embeddings"]).float()
     try:
@@ -242,8 +242,6 @@ def _update_stats(press, module, state, layout, tail_positions, tail_ends, lo, c
     the entries before it are kept as they were (they may be entries of the row's previous window) and keep their
     recorded stats.
     """
-    from kvpress_phase.presses.base import LayerStats
-
     layer_idx = getattr(module, "layer_idx", 0)
     old = press.stats.get(layer_idx)
     if old is None:

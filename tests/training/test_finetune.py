@@ -10,8 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from kvpress_phase.evaluation import cli
-from kvpress_phase.evaluation import finetune as ft
-from kvpress_phase.evaluation.finetune import FinetuneConfig, finetune, forward_group
+from kvpress_phase.training.cli import config_from_args
+from kvpress_phase.training.config import FinetuneConfig
+from kvpress_phase.training.data import ExampleSource
+from kvpress_phase.training.finetune import finetune
+from kvpress_phase.training.step import forward_group
 from kvpress_phase.evaluation.tasks import generate, training_example
 from kvpress_phase.evaluation.tokenizer import build_tokenizer, save_tokenizer
 
@@ -129,18 +132,18 @@ def test_resume_gives_the_uninterrupted_run(tok, tmp_path, monkeypatch):
     reference = finetune(config, str(tmp_path / "ref"), str(tmp_path / "ref_ckpt"), model=tiny_lm(tok),
                          tokenizer=tok, progress=False, checkpoint_every=2)
 
-    real = ft.ExampleSource.micro_batch
+    real = ExampleSource.micro_batch
 
     def crash_at_step_3(self, step, micro):
         if step == 3:
             raise KeyboardInterrupt
         return real(self, step, micro)
 
-    monkeypatch.setattr(ft.ExampleSource, "micro_batch", crash_at_step_3)
+    monkeypatch.setattr(ExampleSource, "micro_batch", crash_at_step_3)
     with pytest.raises(KeyboardInterrupt):
         finetune(config, str(tmp_path / "out"), str(tmp_path / "ckpt"), model=tiny_lm(tok), tokenizer=tok,
                  progress=False, checkpoint_every=2)
-    monkeypatch.setattr(ft.ExampleSource, "micro_batch", real)
+    monkeypatch.setattr(ExampleSource, "micro_batch", real)
     resumed = finetune(config, str(tmp_path / "out"), str(tmp_path / "ckpt"), model=tiny_lm(tok), tokenizer=tok,
                        progress=False, checkpoint_every=2)
     assert [h["step"] for h in resumed["history"]] == [0, 1, 2, 3, 4]
@@ -188,7 +191,7 @@ def test_fine_tuning_from_a_path_exports_a_model_the_evaluation_loads(model_dir,
                      "--strides", "4", "--context-lengths", "128", "--samples", "1", "--output-dir",
                      str(tmp_path / "eval"), "--no-progress", "--bootstrap", "100"]) == 0
     # its card: recipe and training log from training_log.json, accuracy from the evaluation's summary
-    from kvpress_phase.evaluation.model_card import render_finetuned
+    from kvpress_phase.training.model_card import render_finetuned
 
     card = render_finetuned(str(out), [str(tmp_path / "eval")], "tiny")
     assert "2 steps of" in card and "`phase_aware` in the loop" in card
@@ -236,7 +239,7 @@ def test_a_user_dataset_in_kvpress_schema_trains_with_mixed_context_lengths(tok,
     log = finetune(config, str(tmp_path / "out"), str(tmp_path / "ckpt"), model=tiny_lm(tok), tokenizer=tok,
                    progress=False)
     assert len(log["history"]) == 2 and all(h["loss"] > 0 for h in log["history"])
-    source = ft.ExampleSource(config, tok)
+    source = ExampleSource(config, tok)
     lengths = {source.dataset_example(i)["context_length"] for i in range(len(rows))}
     assert lengths == {128, 144}
 
@@ -268,11 +271,11 @@ def test_press_draws_follow_the_configuration():
 def test_recipes_fill_what_the_command_line_leaves_out():
     parser = cli.build_parser()
     args = parser.parse_args(["train", "--recipe", "chunked-fixed", "--steps", "5", "--output-dir", "x"])
-    config = ft.config_from_args(args)
+    config = config_from_args(args)
     assert config.steps == 5 and config.offset_mode == "fixed" and config.strides == [4, 8, 16]
-    assert ft.config_from_args(parser.parse_args(["train", "--recipe", "chunked", "--output-dir", "x"])).offset_mode \
+    assert config_from_args(parser.parse_args(["train", "--recipe", "chunked", "--output-dir", "x"])).offset_mode \
         == "random"
-    default = ft.config_from_args(parser.parse_args(["train", "--output-dir", "x"]))
+    default = config_from_args(parser.parse_args(["train", "--output-dir", "x"]))
     assert default == FinetuneConfig()
 
 

@@ -1,6 +1,6 @@
 """Train the built-in retrieval model: a small Llama that reads the evaluation tasks' English-like text.
 
-    python -m kvpress_phase.evaluation.train_builtin_model --output-dir kvpress_phase/builtin_model
+    python -m kvpress_phase.training.train_builtin_model --output-dir kvpress_phase/builtin_model
 
 Data come from the same task generators the evaluation suite uses (``training_example``, whose seeds live in a
 domain disjoint from every evaluation seed), mixed with a copy objective: a random segment drawn from a small
@@ -15,7 +15,7 @@ last ``--window`` batches passes ``--advance-at`` (copy token accuracy in a copy
 match otherwise) or after its maximum number of steps; the last stage cycles through the three longest lengths.
 From step ``--extend-from`` on, an extension phase trains on ``--extend-lengths`` in turn with its own task mix
 (more weight on what the curriculum leaves weakest) and a warm-restarted cosine schedule; the curriculum's own
-cosine runs over ``--base-steps``. The loop, checkpoints and export are those of :mod:`.training`, which
+cosine runs over ``--base-steps``. The loop, checkpoints and export are those of :mod:`.loop`, which
 ``kvpress-phase train`` (:mod:`.finetune`) shares: checkpoints (model, optimizer, schedule, curriculum, log) are
 written every ``--checkpoint-every`` steps to ``--checkpoint-dir``; rerunning the same command resumes.
 Batches are a pure function of (seed, step), so a resumed run sees the data an uninterrupted run would.
@@ -32,13 +32,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .training import (
+from .loop import (
+    adamw,
     answer_exact_match,
     cosine_lr,
     export_model,
     load_checkpoint,
     new_state,
-    parameter_groups,
     plot_loss,  # noqa: F401  (re-exported)
     run_training,
     token_accuracy,
@@ -229,14 +229,14 @@ def step_plan(config: TrainConfig, stage: int, step: int) -> tuple[int, float, d
 # ---------------------------------------------------------------------------------------------- loop
 def train(config: TrainConfig, output_dir: str, checkpoint_dir: str, checkpoint_every: int = 200,
           progress: bool = True, threads: int | None = None, export_only: bool = False) -> None:
-    """Train (or resume) the built-in model with the shared loop of :mod:`.training`, then export it."""
+    """Train (or resume) the built-in model with the shared loop of :mod:`.loop`, then export it."""
     from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
     if threads:
         torch.set_num_threads(threads)
     tokenizer = build_tokenizer()
     model = build_model(config, tokenizer)
-    optimizer = torch.optim.AdamW(parameter_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98))
+    optimizer = adamw(model, config.lr, config.weight_decay)
     record = asdict(config)
     state = load_checkpoint(checkpoint_dir, record, model, optimizer)
     if export_only:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvpress_phase import builtin_model_path
-from kvpress_phase.evaluation.model_card import NOTES_MARKER, existing_notes, render
+from kvpress_phase.training.model_card import NOTES_MARKER, existing_notes, render
 from kvpress_phase.evaluation.tasks import TASKS
 
 

@@ -48,6 +48,11 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
+def adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """The optimizer of both trainers: AdamW with betas (0.9, 0.98) over :func:`parameter_groups`."""
+    return torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=(0.9, 0.98))
+
+
 # ---------------------------------------------------------------------------------------------- metrics
 def token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per row: share of supervised tokens that are the argmax prediction (teacher forcing)."""

@@ -8,7 +8,7 @@ import pytest
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvpress_phase.evaluation.train_builtin_model import TrainConfig, lr_at, main, make_batch, step_plan, train
+from kvpress_phase.training.train_builtin_model import TrainConfig, lr_at, main, make_batch, step_plan, train
 from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
 
@@ -45,7 +45,7 @@ def test_interrupted_training_resumes_where_it_stopped(tmp_path, monkeypatch):
     train(tiny_config(4), str(tmp_path / "ref"), str(tmp_path / "ref_ckpt"), checkpoint_every=2, progress=False)
     reference = json.loads((tmp_path / "ref" / "training_log.json").read_text())["history"]
 
-    import kvpress_phase.evaluation.train_builtin_model as trainer
+    import kvpress_phase.training.train_builtin_model as trainer
 
     real = trainer.make_batch
 

@@ -1,6 +1,6 @@
 """Measure the built-in model without compression and write ``MODEL_CARD.md``.
 
-    python -m kvpress_phase.evaluation.model_card --output MODEL_CARD.md
+    python -m kvpress_phase.training.model_card --output MODEL_CARD.md
 
 Runs the evaluation suite with ``no_press`` only, on held-out evaluation seeds (a domain disjoint from the
 training data), with the answer placed at every phase of stride 8:
@@ -19,9 +19,9 @@ import argparse
 import json
 import os
 
-from .metrics import summarize
-from .runner import EvalConfig, run_evaluation
-from .tasks import TASKS
+from kvpress_phase.evaluation.metrics import summarize
+from kvpress_phase.evaluation.runner import EvalConfig, run_evaluation
+from kvpress_phase.evaluation.tasks import TASKS
 
 RETRIEVAL_BAR_TASKS = ["niah_single", "niah_multikey", "niah_multiquery", "niah_multivalue"]
 MEANT_FOR_LONGBENCH = ["qa_single_doc", "qa_multi_doc", "passage_retrieval"]
@@ -96,7 +96,7 @@ def render(model_dir: str, table: dict, gap: dict, lengths: list[int], samples: 
         "## Training",
         "",
         "```bash",
-        "python -m kvpress_phase.evaluation.train_builtin_model --output-dir kvpress_phase/builtin_model "
+        "python -m kvpress_phase.training.train_builtin_model --output-dir kvpress_phase/builtin_model "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in train_config.items() if k in ("steps", "seed")),
         "```",
         "",
@@ -134,7 +134,7 @@ def render(model_dir: str, table: dict, gap: dict, lengths: list[int], samples: 
         + (f"At this sample count a single phase {gap['detectable_gap']:.2f} lower than the others would be detected "
            "with 80% power." if gap.get("detectable_gap") is not None else ""),
         "",
-        "Reproduce: `python -m kvpress_phase.evaluation.model_card` (results in `outputs/model-card/`).",
+        "Reproduce: `python -m kvpress_phase.training.model_card` (results in `outputs/model-card/`).",
         "",
         *_bar_lines(table, gap, lengths, weights),
     ]
@@ -259,7 +259,7 @@ def render_finetuned(model_dir: str, study_dirs: list, name: str) -> str:
     out = [
         f"# Model card: built-in model `{name}`", "",
         f"The built-in model fine-tuned with `{config['press']}` in the loop (`kvpress-phase train`, "
-        "`evaluation/finetune.py`): contexts are prefilled under the press, question and answer run on the "
+        "`training/finetune.py`): contexts are prefilled under the press, question and answer run on the "
         "compressed cache at their true positions, and the loss is on the answer tokens and EOS. "
         f"Load it with `--model {name}` or `kvpress_phase.builtin_model_path({name!r})`.", "",
         "## Recipe", "",
