@@ -154,7 +154,7 @@ def _cmd_train(args, argv) -> int:
     try:
         log = run_from_args(args, command=command)
     except ValueError as exc:
-        raise UsageError(str(exc).strip().splitlines()[0]) from None
+        raise UsageError(first_line(exc)) from None
     if log["steps_done"] < log["config"]["steps"]:
         print(f"paused at step {log['steps_done']} of {log['config']['steps']}; rerun the same command to resume")
         return 3
