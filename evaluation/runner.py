@@ -256,6 +256,19 @@ class ReplayEngine:
         max_len = min(self.tokenizer.model_max_length, int(1e10))
         return self.pipe.preprocess(context, questions, answer_prefix, max_len)
 
+    def shared_prefill(self, context_ids: torch.Tensor, presses: Optional[Iterable] = None) -> Prefill:
+        """:meth:`prefill`, reusing the last prefill when it was of the same tokens and recorded what ``presses``
+        read (the offset protocol's text does not depend on the stride, so a sweep over strides prefills, scores and
+        decodes the uncompressed control once per context). One prefill is kept."""
+        reads = frozenset({HIDDEN_STATES, ATTENTIONS}) if presses is None else \
+            frozenset().union(*[press_reads(p) for p in presses])
+        last = getattr(self, "_last_prefill", None)
+        if last is not None and reads <= last.reads and torch.equal(last.context_ids, context_ids):
+            return last
+        self._last_prefill = None  # free it before the next prefill
+        self._last_prefill = self.prefill(context_ids, presses)
+        return self._last_prefill
+
     @torch.inference_mode()
     def prefill(self, context_ids: torch.Tensor, presses: Optional[Iterable] = None) -> Prefill:
         """Prefill ``context_ids`` and record the compress inputs that ``presses`` read (all of them when None)."""
@@ -290,6 +303,11 @@ class ReplayEngine:
         if press is not None:
             press.post_init_from_model(self.model)
         device = self.model.device
+        with _shared_scores(press, state):
+            self._compress_layers(state, press, cache, device)
+        return cache
+
+    def _compress_layers(self, state: Prefill, press, cache, device) -> None:
         for layer_idx, (module, hidden, keys, values, attentions, kwargs) in state.inputs.items():
             if state.offload is not None:  # bring one layer back at a time
                 hidden, keys, values, attentions = [
@@ -304,7 +322,6 @@ class ReplayEngine:
                 new_keys, new_values = press.compress(module, hidden, keys, values, attentions, kwargs)
             cache.layers[layer_idx].keys = new_keys
             cache.layers[layer_idx].values = new_values
-        return cache
 
     def masks(self, state: Prefill, press: Optional[BasePress]):
         """The entries ``press`` masks in ``state``'s cache while decoding (:data:`.decoding.Masks`), or None for
@@ -335,7 +352,8 @@ class ReplayEngine:
         from .diagnostics import AttentionProbe, needle_mass
 
         out: list = [None] * len(presses)
-        decoded: dict = {}  # fingerprint -> (prediction, rows)
+        # fingerprint -> (prediction, rows), kept with the prefill for every question asked of it
+        decoded = state.memo.setdefault(("decoded", tuple(question_ids[0].tolist()), max_new_tokens, bool(needles)), {})
         q_len = question_ids.shape[1]
         order = sorted(range(len(presses)), key=lambda i: _press_sort_key(presses[i]))
         for start in range(0, len(order), batch_size):
@@ -452,6 +470,43 @@ def cache_fingerprint(state: Prefill, cache) -> tuple:
             sums.append(((t.double() @ r) * w).sum())
             shapes.append(tuple(t.shape))
     return tuple(shapes), tuple(torch.stack(sums).tolist()) if sums else ()
+
+
+@contextlib.contextmanager
+def _shared_scores(press, state: Prefill):
+    """While ``press`` compresses ``state``, its scorer's scores of a whole recorded layer are computed once per
+    prefill and scorer configuration and reused (they depend on neither the ratio nor the grid offset): SnapKV,
+    expected-attention and the like cost more than the compression itself, and a sweep compresses one context at
+    every ratio, stride and offset. Scores of parts of a layer (kvpress's chunk presses) and random scores are not
+    shared."""
+    from kvpress import ScorerPress
+
+    from kvpress_phase.presses import WindowedPress
+
+    scorer = press.scorer if isinstance(press, WindowedPress) else press
+    if not isinstance(scorer, ScorerPress) or type(scorer).__name__ == "RandomPress" or "score" in vars(scorer):
+        yield
+        return
+    settings = tuple((f.name, repr(getattr(scorer, f.name))) for f in dataclasses.fields(scorer)
+                     if f.name != "compression_ratio")
+    memo = state.memo.setdefault("scores", {})
+    recorded = {id(entry[2]): layer for layer, entry in state.inputs.items()}
+    original = scorer.score
+
+    def score(module, hidden_states, keys, values, attentions, kwargs):
+        layer = recorded.get(id(keys))
+        if layer is None or state.inputs[layer][2] is not keys:  # a part of a layer: not shared
+            return original(module, hidden_states, keys, values, attentions, kwargs)
+        key = (type(scorer).__name__, settings, layer)
+        if key not in memo:
+            memo[key] = original(module, hidden_states, keys, values, attentions, kwargs)
+        return memo[key].clone()  # a press may work on its scores in place
+
+    scorer.score = score
+    try:
+        yield
+    finally:
+        del scorer.score
 
 
 def _is_kvzip(press) -> bool:
@@ -696,7 +751,10 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
 
     shard_path = os.path.join(output_dir, RESULTS_DIR, f"results-rank{rank}.jsonl")
     done = {r["key"] for r in _read_shard(shard_path)}
-    units = plan_units(config, tokenizer)[rank::world]
+    units = plan_units(config, tokenizer)
+    if config.protocol == "offset":  # the same text at every stride: the strides of a sample share one prefill
+        units = sorted(units, key=lambda u: (u.task, u.context_length, u.sample_id))
+    units = units[rank::world]
     engine = ReplayEngine(model, tokenizer, offload=offload)
     todo = [(u, v) for u in units for v in [variants(config, u.stride)]]
     bar = tqdm(total=sum(len(u.rows) * len(v) for u, v in todo), disable=not progress or rank != 0,
@@ -759,7 +817,7 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
         encoded = engine.encode(context, [question], answer_prefix)
         if config.compress_question:
             _check_question_appended(engine, rows[0], encoded)
-        state = engine.prefill(encoded["context_ids"], presses=reads_of)
+        state = engine.shared_prefill(encoded["context_ids"], presses=reads_of)
         question_ids = encoded["questions_ids"][0]
         needles = sorted({(row["needle_token_start"], row["needle_token_end"]) for row, *_ in pending})
         jobs: dict[tuple, int] = {}
