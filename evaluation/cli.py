@@ -136,9 +136,12 @@ def _cmd_list() -> int:
     print("tasks:")
     for name, spec in TASKS.items():
         print(f"  {name:<20} {spec.family:<9} {spec.description}")
-    print("presses:")
+    from .presses import parse_press_spec, reads_question
+
+    print("presses (Q: reads the question when it is compressed with the context, --compress-question):")
     for name, text in PRESS_DESCRIPTIONS.items():
-        print(f"  {name:<20} {text}")
+        mark = "Q" if reads_question(parse_press_spec(name)) else " "
+        print(f"  {name:<20} {mark} {text}")
     print("models (--model):")
     for name, entry in BUILTIN_MODELS.items():
         status = "" if entry.available else f" [not available yet: {entry.build_command}]"
@@ -314,6 +317,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("kvpress-phase: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into a command that stopped reading (e.g. `| head`)
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

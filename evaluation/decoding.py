@@ -11,10 +11,12 @@ single-row decoding by float rounding (matrix products of other shapes add in an
 greedy answer only at a near-tie (BENCHMARKS.md has the measured agreement).
 
 kvpress's ``KVzipPress`` scores entries while the model repeats the context, then masks the evicted entries during
-decoding (``module.masked_key_indices``, read by kvpress's attention patch) rather than removing them. It cannot be
-replayed from the recorded compress inputs like the other presses: :func:`kvzip_scores` runs its reconstruction on a
-copy of the full cache once per context (the scores do not depend on the ratio), and :func:`kvzip_masks` applies
-kvpress's own eviction rule for one ratio.
+decoding rather than removing them (kvpress replaces their keys by a "fake key" whose attention weight underflows
+to zero, found by a search that fails when a step's queries span every direction). It cannot be replayed from the
+recorded compress inputs like the other presses: :func:`kvzip_scores` runs its reconstruction on a copy of the full
+cache once per context (the scores do not depend on the ratio), and :func:`kvzip_masks` applies kvpress's own
+eviction rule for one ratio. Here masked entries are excluded exactly, by a boolean attention mask per layer and
+head (:class:`LayerMasks`), which also serves the padding of caches whose layers differ in length.
 """
 
 from __future__ import annotations
@@ -33,10 +35,9 @@ def batched_cache(caches: list, masks: Optional[list] = None):
     the rows' masks.
 
     Layers shorter than the longest (presses with budgets per layer, e.g. kvpress's PyramidKVPress) are padded to its
-    length with entries masked as kvpress masks evicted ones: transformers builds one attention mask for all layers
-    from the first layer's length, so a cache whose layers differ in length fails with SDPA attention (kvpress's own
-    pipeline fails on it here); masked padding makes every layer as long as the longest and changes no attention
-    weight (a masked entry's weight underflows to zero).
+    length with masked entries: transformers builds one attention mask for all layers from the first layer's
+    length, so a cache whose layers differ in length fails with SDPA attention (kvpress's own pipeline fails on it
+    here); masked padding makes every layer as long as the longest and changes no attention weight.
     """
     masks = list(masks) if masks is not None else [None] * len(caches)
     longest = max(layer.keys.shape[2] for layer in caches[0].layers)
@@ -74,20 +75,50 @@ def cache_signature(cache) -> tuple:
     return tuple((tuple(layer.keys.shape), tuple(layer.values.shape)) for layer in cache.layers)
 
 
-def _set_masks(model, masks: list[Masks]) -> list:
-    """Put the rows' masks on the attention modules (batch index = row); the modules touched."""
-    touched = []
-    layers = model.model.layers
-    for layer_idx, layer in enumerate(layers):
-        parts = [(row, m[layer_idx]) for row, m in enumerate(masks) if m is not None and layer_idx in m]
-        if not parts:
-            continue
-        heads = torch.cat([h for _, (h, _) in parts])
-        seqs = torch.cat([s for _, (_, s) in parts])
-        rows = torch.cat([torch.full_like(h, row) for row, (h, _) in parts])
-        layer.self_attn.masked_key_indices = (rows, heads, seqs)
-        touched.append(layer.self_attn)
-    return touched
+class LayerMasks:
+    """Context manager: while it is entered, every attention layer of ``model`` attends through a boolean mask that
+    excludes the masked cache entries of each batch row and KV head (``masks[row][layer] = (heads, positions)``),
+    causal among the tokens of the current forward.
+
+    A forward pre-hook replaces the layer's ``attention_mask`` (transformers' mask, one for all layers) with the
+    layer's own ``(batch, query heads, query length, key length)`` mask, built from the layer's cache length at that
+    step; the masked entries get no attention weight at all.
+    """
+
+    def __init__(self, model, cache, masks: list):
+        self.model = model
+        self.cache = cache
+        self.masks = masks
+        self._hooks = []
+
+    def __enter__(self):
+        for layer in self.model.model.layers:
+            self._hooks.append(layer.self_attn.register_forward_pre_hook(self._hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        return False
+
+    def _hook(self, module, args, kwargs):
+        layer_idx = module.layer_idx
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        q = hidden.shape[1]
+        past = self.cache.layers[layer_idx].keys.shape[2]
+        batch, kv_heads = self.cache.layers[layer_idx].keys.shape[:2]
+        allowed = torch.ones(batch, kv_heads, past + q, dtype=torch.bool, device=hidden.device)
+        for row, own in enumerate(self.masks):
+            if own is not None and layer_idx in own:
+                heads, positions = own[layer_idx]
+                allowed[row, heads.to(allowed.device), positions.to(allowed.device)] = False
+        groups = module.config.num_attention_heads // kv_heads
+        mask = allowed.repeat_interleave(groups, dim=1)[:, :, None, :].expand(-1, -1, q, -1).clone()
+        causal = torch.ones(q, q, dtype=torch.bool, device=hidden.device).tril()
+        mask[..., past:] &= causal
+        kwargs["attention_mask"] = mask
+        return args, kwargs
 
 
 @torch.inference_mode()
@@ -105,8 +136,8 @@ def greedy_decode(model, tokenizer, caches: list, question_ids: torch.Tensor, co
         cache, masks = batched_cache(caches, masks)
     else:
         cache = _copied(caches[0])
-    touched = _set_masks(model, masks) if masks and any(m is not None for m in masks) else []
-    try:
+    masked = LayerMasks(model, cache, masks) if masks and any(m is not None for m in masks) else _null()
+    with masked:
         ids = question_ids.to(device)
         position_ids = torch.arange(context_length, context_length + ids.shape[1], device=device).unsqueeze(0)
         with probe if probe is not None else _null():
@@ -125,9 +156,6 @@ def greedy_decode(model, tokenizer, caches: list, question_ids: torch.Tensor, co
             new = outputs.logits[:, -1].argmax(dim=-1)
             generated.append(new)
             done |= torch.tensor([int(t) in stop for t in new.tolist()])
-    finally:
-        for module in touched:
-            module.masked_key_indices = None
     tokens = torch.stack(generated, dim=1).tolist()
     answers = []
     for row in tokens:

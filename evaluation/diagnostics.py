@@ -129,6 +129,10 @@ class AttentionProbe:
         softcap = getattr(module.config, "attn_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # masked entries (decoding.LayerMasks), padding
+            last = mask[:, :, -1, -logits.shape[-1]:].expand(batch, heads, -1)
+            logits = logits.masked_fill(~last, float("-inf")) if last.dtype == torch.bool else logits + last
         self.rows[layer_idx] = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
         if all(idx in self.rows for idx in self.modules):  # done: the decoding steps run without hooks
             self.__exit__()

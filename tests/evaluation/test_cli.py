@@ -25,9 +25,20 @@ def test_list_names_every_task_and_press(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     for name in ["no_press", "chunked_stride", "phase_aware", "snapkv", "knorm", "streaming_llm", "chunkkv", "chunk",
+                 "expected_attention", "tova", "keydiff", "pyramidkv", "kvzip",
                  "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "qa_single_doc",
-                 "qa_multi_doc", "passage_retrieval", "passage_count"]:
+                 "qa_multi_doc", "passage_retrieval", "passage_count", "builtin", "chunked", "smollm2"]:
         assert f"  {name} " in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert " Q " in lines["snapkv"] and " Q " in lines["tova"] and " Q " not in lines["knorm"]
+    assert "135M parameters, Apache-2.0" in lines["smollm2"]
+
+
+def test_eval_refuses_ratios_with_the_same_k(capsys):
+    code = cli.main(["eval", "--strides", "4", "--compression-ratios", "0.375,0.4", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "both keep k=2 of 4" in err and "--allow-duplicate-k" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_eval_writes_summary_plots_and_report(model_dir, tmp_path, capsys):

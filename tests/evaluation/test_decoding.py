@@ -1,0 +1,168 @@
+"""Batched decoding of many compressed caches, presses that mask (KVzip) or keep uneven layers (PyramidKV), and
+the question compressed with the context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvpress import KnormPress, KVzipPress, PyramidKVPress
+from transformers import DynamicCache, pipeline
+
+from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+from kvpress_phase.evaluation.decoding import kvzip_masks, kvzip_scores
+from kvpress_phase.evaluation.presses import PRESS_DESCRIPTIONS, build_press, parse_press_spec, reads_question
+from kvpress_phase.evaluation.runner import EvalConfig, ReplayEngine, duplicate_k, read_results, run_evaluation
+from kvpress_phase.evaluation.tasks import generate
+from tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(word_tokenizer):
+    return tiny_model("llama", vocab_size=len(word_tokenizer), seed=7, num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def row(word_tokenizer):
+    return generate("niah_multikey", word_tokenizer, n_samples=1, context_length=240, stride=8, phases=[3],
+                    protocol="offset", seed=2)[0]
+
+
+def _presses():
+    return [None, KnormPress(0.5), ChunkedStridePress(0.5, mode="select"), ChunkedStridePress(0.25, offset=3),
+            PhaseAwarePress(0.5, offset=5), PyramidKVPress(0.5), KVzipPress(0.5), KVzipPress(0.25), KnormPress(0.5)]
+
+
+def test_batched_answers_equal_one_at_a_time(model, word_tokenizer, row):
+    engine = ReplayEngine(model, word_tokenizer)
+    encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+    state = engine.prefill(encoded["context_ids"])
+    q = encoded["questions_ids"][0]
+    needle = (row["needle_token_start"], row["needle_token_end"])
+    one = engine.answer_many(state, _presses(), q, 8, needles=[needle], batch_size=1)
+    state.memo.clear()
+    many = engine.answer_many(state, _presses(), q, 8, needles=[needle], batch_size=16)
+    assert [a["prediction"] for a in one] == [a["prediction"] for a in many]
+    assert [a["cache_length"] for a in one] == [a["cache_length"] for a in many]
+    for a, b in zip(one, many):
+        assert a["masses"][0] == pytest.approx(b["masses"][0], rel=1e-4, abs=1e-6)
+    # batch_size=1 is the pipeline's own decoding for presses that remove entries
+    for press, result in zip(_presses()[:5], one[:5]):
+        assert result["prediction"] == engine.answer(state, press, encoded["questions_ids"], 8)[0][0]
+    # KVzip at two ratios and without compression are three different caches, though of one shape
+    assert len({a["cache_length"] for a in one[6:8]} | {one[0]["cache_length"]}) == 3
+
+
+def test_pyramidkv_padded_decoding_equals_per_layer_masks(model, word_tokenizer, row):
+    """kvpress's pipeline cannot decode PyramidKV's uneven layers here (transformers masks every layer as long as the
+    first, with SDPA and eager attention alike). Our decoding pads the shorter layers with masked entries; a
+    reference that gives every layer a causal mask of its own length, without padding, decodes the same tokens."""
+    from kvpress_phase.evaluation.decoding import LayerMasks, _copied
+
+    engine = ReplayEngine(model, word_tokenizer)
+    encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+    state = engine.prefill(encoded["context_ids"])
+    q = encoded["questions_ids"][0]
+    ours = engine.answer_many(state, [PyramidKVPress(0.5)], q, 8)[0]
+    cache = engine.compressed_cache(state, PyramidKVPress(0.5))
+    lengths = [layer.keys.shape[2] for layer in cache.layers]
+    assert len(set(lengths)) > 1  # uneven: the case this test is about
+    assert ours["cache_length"] == pytest.approx(sum(lengths) / len(lengths))
+
+    reference = _copied(cache)
+    tokens = []
+    with torch.inference_mode(), LayerMasks(model, reference, [None]):
+        positions = torch.arange(state.context_length, state.context_length + q.shape[1])[None]
+        ids = q
+        for _ in range(8):
+            new = model(input_ids=ids, past_key_values=reference, position_ids=positions).logits[0, -1].argmax()
+            tokens.append(int(new))
+            if tokens[-1] == model.generation_config.eos_token_id:
+                break
+            ids, positions = new.view(1, 1), positions[:, -1:] + 1
+    assert ours["prediction"] == word_tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_kvzip_replay_masks_what_kvpress_masks(model, word_tokenizer, row, monkeypatch):
+    """kvpress's KVzipPress, run as kvpress runs it (a prefill inside its context manager), masks the same entries
+    as our replay (its scores computed once over a copy of the recorded cache, then its own eviction rule)."""
+    import transformers
+
+    engine = ReplayEngine(model, word_tokenizer)
+    ids = engine.encode(row["context"], [row["question"]], row["answer_prefix"])["context_ids"]
+    state = engine.prefill(ids)
+    before = [layer.keys.clone() for layer in state.cache.layers]
+    ours = kvzip_masks(model, kvzip_scores(model, word_tokenizer, ids, state.cache), 0.5)
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before, state.cache.layers))  # cache untouched
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: word_tokenizer)
+    press = KVzipPress(0.5)
+    with press(model):
+        model.model(input_ids=ids, past_key_values=DynamicCache())
+    try:
+        for layer_idx, layer in enumerate(model.model.layers):
+            _, heads, seqs = layer.self_attn.masked_key_indices
+            assert torch.equal(heads, ours[layer_idx][0]) and torch.equal(seqs, ours[layer_idx][1])
+    finally:
+        for layer in model.model.layers:
+            layer.self_attn.masked_key_indices = None
+    total = sum(h.numel() for h, _ in ours.values())
+    assert total == int(len(model.model.layers) * model.config.num_key_value_heads * ids.shape[1] * 0.5)
+
+
+def test_every_registered_press_runs_at_a_matched_cache(model, word_tokenizer, tmp_path):
+    presses = list(PRESS_DESCRIPTIONS)
+    config = EvalConfig(tasks=["niah_single"], presses=presses, compression_ratios=[0.5], strides=[8],
+                        context_lengths=[160], samples=1, seed=4, phases=[0, 5], protocol="offset",
+                        matched_cache=True)
+    results = run_evaluation(config, model, word_tokenizer, str(tmp_path), progress=False)
+    assert set(results["press"]) == set(presses)
+    ours = results[results.press == "chunked_stride"]["cache_length"].iloc[0]
+    for name, group in results.groupby("press"):
+        length = group["cache_length"].iloc[0]
+        if name == "no_press":
+            assert length == group["prefill_tokens"].iloc[0]
+        elif name in ("chunkkv", "chunk"):  # matched to their granularity only: 0-16 entries fewer than ours
+            assert ours - 16 <= length <= ours
+        else:  # exactly ours; KVzip and PyramidKV over all layers (and heads), to within half an entry per head
+            assert length == pytest.approx(ours, abs=0.5), name
+    assert (results["achieved_ratio"] - (1 - results["cache_length"] / results["prefill_tokens"])).abs().max() < 1e-5
+    chunked = results[results.press == "chunked_stride"]
+    assert (chunked["window_ratio"] == 0.5).all() and (chunked["press_ratio"] == 0.5).all()
+
+
+def test_compress_question_is_the_pipeline_with_the_question_in_the_context(model, word_tokenizer, tmp_path):
+    config = EvalConfig(tasks=["niah_single"], presses=["no_press", "chunked_stride:mode=select", "snapkv"],
+                        compression_ratios=[0.5], strides=[8], context_lengths=[160], samples=1, seed=4,
+                        phases=[2], protocol="offset", compress_question=True, matched_cache=True)
+    results = run_evaluation(config, model, word_tokenizer, str(tmp_path), progress=False)
+    assert set(results["setting"]) == {"question_compressed"}
+    assert all(k.endswith("|question_compressed") for k in results["key"])
+    assert (results["prefill_tokens"] > results["context_tokens"]).all()
+    row = generate("niah_single", word_tokenizer, n_samples=1, context_length=160, stride=8, phases=[2],
+                   protocol="offset", seed=4)[0]
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=word_tokenizer, device="cpu")
+    for name in ("no_press", "chunked_stride:mode=select"):
+        press = build_press(parse_press_spec(name), 0.5, 8, None, row["offset"])
+        direct = pipe(row["context"] + row["question"], question="", answer_prefix=row["answer_prefix"],
+                      press=press, max_new_tokens=row["max_new_tokens"])["answer"]
+        assert results[results.press == name]["prediction"].iloc[0] == direct
+    # the two settings are kept apart when runs are merged
+    agnostic = EvalConfig(**{**config.__dict__, "compress_question": False})
+    run_evaluation(agnostic, model, word_tokenizer, str(tmp_path / "agnostic"), progress=False)
+    merged = read_results(str(tmp_path / "agnostic"))
+    assert set(merged["setting"]) == {"query_agnostic"} and not set(merged["key"]) & set(results["key"])
+
+
+def test_question_readers():
+    assert reads_question(parse_press_spec("snapkv")) and reads_question(parse_press_spec("tova"))
+    assert not reads_question(parse_press_spec("knorm")) and not reads_question(parse_press_spec("kvzip"))
+    assert not reads_question(parse_press_spec("chunked_stride:mode=select"))
+    assert reads_question(parse_press_spec("chunked_stride:mode=select:scorer=snapkv"))
+
+
+def test_duplicate_k_is_refused_unless_allowed():
+    assert duplicate_k([0.375, 0.625], [4]) is None  # k = 2 and 1 under the rounding rule
+    message = duplicate_k([0.4, 0.375], [4])
+    assert "both keep k=2" in message and "stride 4" in message
+    with pytest.raises(ValueError, match="allow-duplicate-k"):
+        EvalConfig(compression_ratios=[0.4, 0.375], strides=[8, 4]).validate()
+    EvalConfig(compression_ratios=[0.4, 0.375], strides=[4], allow_duplicate_k=True).validate()
