@@ -12,6 +12,7 @@ checkout too (``PYTHONPATH=<checkout> python benchmarks/bench_eval.py``).
 
     python benchmarks/bench_eval.py --repeats 2 --cli
     python benchmarks/bench_eval.py --context-lengths 2048 --repeats 1
+    python benchmarks/bench_eval.py --model smollm2 --context-lengths 1024 --samples 2 --repeats 1   # real model
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def _instrument(timers: _Timers):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context-lengths", default="512", help="comma-separated (default: 512, the default job's)")
+    parser.add_argument("--model", default=None, help="model name or path (default: the built-in model)")
+    parser.add_argument("--samples", type=int, default=None, help="samples per phase (default: the default job's)")
+    parser.add_argument("--protocol", choices=["prefix", "offset"], default=None,
+                        help="placement protocol (default: the default job's, prefix)")
     parser.add_argument("--repeats", type=int, default=2, help="runs with and without the diagnostic, alternated")
     parser.add_argument("--cli", action="store_true", help="also time `kvpress-phase eval` end to end")
     parser.add_argument("--profile", help="write a cProfile of one run with the diagnostic to this file")
@@ -81,13 +86,15 @@ def main(argv=None) -> int:
     from kvpress_phase.evaluation.runner import run_evaluation
 
     lengths = [int(x) for x in args.context_lengths.split(",")]
-    model, tokenizer = load_model(None, "cpu", "float32")
+    model, tokenizer = load_model(args.model, "cpu", "float32")
+    job = dataclasses.replace(QUICK, model=args.model, samples=args.samples or QUICK.samples,
+                              protocol=args.protocol or QUICK.protocol)
     results = {True: [], False: []}
     inside = []
     n_answers = None
     for _ in range(args.repeats):
         for diagnostics in (True, False):
-            config = dataclasses.replace(QUICK, context_lengths=lengths, diagnostics=diagnostics)
+            config = dataclasses.replace(job, context_lengths=lengths, diagnostics=diagnostics)
             timers = _Timers()
             undo = _instrument(timers) if diagnostics else []
             with tempfile.TemporaryDirectory() as out:
@@ -103,7 +110,7 @@ def main(argv=None) -> int:
     if args.profile:
         import cProfile
 
-        config = dataclasses.replace(QUICK, context_lengths=lengths, diagnostics=True)
+        config = dataclasses.replace(job, context_lengths=lengths, diagnostics=True)
         with tempfile.TemporaryDirectory() as out:
             cProfile.runctx("run_evaluation(config, model, tokenizer, out, progress=False)", globals(),
                             {"run_evaluation": run_evaluation, "config": config, "model": model,
@@ -114,7 +121,8 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as out:
                 cmd = [sys.executable, "-m", "kvpress_phase.evaluation.cli", "eval", "--output-dir", out,
-                       "--no-progress", "--context-lengths", args.context_lengths]
+                       "--no-progress", "--context-lengths", args.context_lengths, "--samples", str(job.samples),
+                       "--protocol", job.protocol] + (["--model", args.model] if args.model else [])
                 t0 = time.perf_counter()
                 subprocess.run(cmd, check=True, capture_output=True)
                 cli_times.append(time.perf_counter() - t0)
@@ -128,8 +136,9 @@ def main(argv=None) -> int:
         f"Command: `python benchmarks/bench_eval.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
         f"(code: {code})",
         f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
-        "built-in model, float32, CPU",
-        f"Job: the default configuration at context length(s) {args.context_lengths}: {n_answers} answers; "
+        f"model {args.model or 'builtin'}, float32, CPU",
+        f"Job: the default configuration (every registered press, ratio 0.25, stride 8, {job.protocol} protocol, "
+        f"{job.samples} samples per phase) at context length(s) {args.context_lengths}: {n_answers} answers; "
         f"median of {args.repeats} run(s) each",
         "",
         "| run | seconds | answers/s |",

