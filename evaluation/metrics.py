@@ -147,6 +147,32 @@ def permutation_p_value(rows: np.ndarray, *, n_permutations: int = N_PERMUTATION
     return (1 + exceed) / (1 + n_permutations)
 
 
+def boundary_test(matrix: np.ndarray, *, n_permutations: int = N_PERMUTATIONS,
+                  rng: Optional[np.random.Generator] = None) -> tuple[Optional[float], Optional[float]]:
+    """Whether the boundary phase (the last column, S-1) differs from the others: ``(difference, p)``.
+
+    The difference is the mean over samples of (score at S-1) minus (mean score at the other phases); the p-value is
+    a two-sided within-sample permutation test (under the null every phase of a sample is exchangeable, so the
+    boundary's column is a random one of the row's). Rows with a missing phase are dropped; ``(None, None)`` when
+    no row is complete.
+    """
+    rows = matrix[~np.isnan(matrix).any(axis=1)]
+    if rows.shape[0] == 0 or rows.shape[1] < 2:
+        return None, None
+    rng = rng or np.random.default_rng(0)
+    n, s = rows.shape
+    totals = rows.sum(axis=1)
+
+    def statistic(column_values):
+        return float(np.mean(column_values - (totals - column_values) / (s - 1)))
+
+    observed = statistic(rows[:, -1])
+    picks = rng.integers(0, s, size=(n_permutations, n))
+    null = np.array([statistic(rows[np.arange(n), pick]) for pick in picks])
+    p = (np.sum(np.abs(null) >= abs(observed) - 1e-12) + 1) / (n_permutations + 1)
+    return observed, float(p)
+
+
 def cochran_p_value(rows: np.ndarray) -> Optional[float]:
     """Cochran's Q test on paired 0/1 outcomes (``statsmodels``); ``None`` for fractional scores or < 2 phases."""
     rows = np.asarray(rows, dtype=float)

@@ -1,0 +1,165 @@
+"""Cell-by-cell targets and phase science of a pre-registered study, from ``kvpress-phase eval`` output directories.
+
+    python -m kvpress_phase.evaluation.targets outputs/real-test/agnostic-1024 outputs/real-test/question-1024 \\
+        --output docs/results/real-model-tables.md
+
+A *cell* is task x context length x stride x compression ratio x setting. For every cell it reads the runs' per-example
+results (merged as ``kvpress-phase report`` merges them) and writes Markdown:
+
+* the targets of ``docs/preregistration-real-model.md`` for ``--press`` (default ``phase_aware``) against
+  ``--reference`` (default ``chunked_stride``) and the kvpress baselines: (1) no detectable phase effect
+  (permutation p >= 0.05), (2) mean >= the reference's + 0.10 where the reference loses 0.10 or more to
+  ``no_press``, (3) mean >= the best baseline's - 0.03; met or missed, with the figures, and the counts per setting;
+* the science: the reference's phase effect (p, cross-fitted gap with its CI, the lowest phases, and whether the
+  boundary phase S-1 differs from the others, :func:`~.metrics.boundary_test`), for every ``chunked_stride``
+  variant in the runs;
+* accuracy by needle depth for every press.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from .metrics import boundary_test, phase_matrix, summarize
+from .presses import OUR_PRESSES
+from .runner import read_results
+
+CELL = ["setting", "task", "context_length", "stride", "compression_ratio"]
+
+
+def load(runs: list[str]) -> pd.DataFrame:
+    frames = []
+    for run in runs:
+        if not os.path.isdir(os.path.join(run, "results")):
+            raise ValueError(f"{run!r} holds no results of `kvpress-phase eval` (no results/ folder)")
+        frames.append(read_results(run))
+    return pd.concat(frames, ignore_index=True).drop_duplicates("key", keep="first")
+
+
+def _f(x, digits=3) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _p(p) -> str:
+    return "-" if p is None else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def targets(records: pd.DataFrame, press: str, reference: str, baselines: list[str]) -> pd.DataFrame:
+    rows = []
+    compressed = records[records.compression_ratio > 0]
+    for key, cell in compressed.groupby(CELL):
+        setting, task, length, stride, ratio = key
+        control = records[(records.setting == setting) & (records.task == task) &
+                          (records.context_length == length) & (records.stride == stride) &
+                          (records.press == "no_press")]
+        by = {r.press: r for r in cell.itertuples()}
+        if press not in by or reference not in by:
+            continue
+        ours, ref = by[press], by[reference]
+        base = {name: by[name].mean for name in baselines if name in by}
+        best = max(base, key=base.get) if base else None
+        full = control["mean"].iloc[0] if len(control) else None
+        loses = full is not None and full - ref.mean >= 0.10
+        rows.append({
+            "setting": setting, "task": task, "length": length, "stride": stride, "ratio": ratio,
+            "no_press": full, "reference": ref.mean, "press": ours.mean, "p": ours.p_value,
+            "best_baseline": best, "best_mean": base.get(best),
+            "t1": ours.p_value is None or ours.p_value >= 0.05,
+            "t2": (ours.mean >= ref.mean + 0.10 - 1e-9) if loses else None,
+            "t3": (ours.mean >= base[best] - 0.03 - 1e-9) if best else None,
+        })
+    return pd.DataFrame(rows)
+
+
+def targets_markdown(table: pd.DataFrame, press: str, reference: str) -> str:
+    lines = []
+    for setting, part in table.groupby("setting", sort=False):
+        lines += [f"### Targets, {setting}", "",
+                  f"| task | tokens | S | ratio | no_press | {reference} | {press} | p | best baseline | "
+                  "T1 p>=0.05 | T2 +0.10 | T3 >= best - 0.03 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in part.itertuples():
+            mark = {True: "met", False: "**missed**", None: "n/a"}
+            t2 = mark[r.t2] if r.t2 is None else f"{mark[r.t2]} ({r.press - r.reference:+.2f})"
+            t3 = mark[r.t3] if r.t3 is None else f"{mark[r.t3]} ({r.press - r.best_mean:+.2f})"
+            lines.append(f"| {r.task} | {r.length} | {r.stride} | {r.ratio:g} | {_f(r.no_press, 2)} | "
+                         f"{_f(r.reference)} | {_f(r.press)} | {_p(r.p)} | {r.best_baseline} {_f(r.best_mean)} | {mark[r.t1]} | "
+                         f"{t2} | {t3} |")
+        n = len(part)
+        t2 = part["t2"].dropna()
+        t3 = part["t3"].dropna()
+        lines += ["", f"{setting}: T1 met in {int(part['t1'].sum())} of {n} cells; T2 met in {int(t2.sum())} of "
+                      f"{len(t2)} cells where {reference} loses 0.10 or more; T3 met in {int(t3.sum())} of {len(t3)} "
+                      f"cells ({t3.mean():.0%}; target 80%).", ""]
+    return "\n".join(lines)
+
+
+def science(results: pd.DataFrame, records: pd.DataFrame) -> str:
+    lines = ["### ChunkedStridePress's phase effect", "",
+             "| setting | task | tokens | S | ratio | press | mean | p | cross-fitted gap [95% CI] | detectable | "
+             "lowest phases | boundary S-1 minus others (p) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    variants = sorted(p for p in records.press.unique() if p.split(":")[0] == "chunked_stride")
+    for key, cell in records[records.press.isin(variants)].groupby(CELL + ["press"]):
+        setting, task, length, stride, ratio, press = key
+        r = cell.iloc[0]
+        sub = results[(results.setting == setting) & (results.task == task) & (results.context_length == length)
+                      & (results.stride == stride) & (results.compression_ratio == ratio) & (results.press == press)]
+        matrix, _ = phase_matrix(sub, stride)
+        diff, p_boundary = boundary_test(matrix)
+        per = np.asarray([np.nan if x is None else x for x in r.per_phase])
+        order = [int(i) for i in np.argsort(per)[:2]]
+        lowest = ", ".join(f"{i} ({per[i]:.2f})" for i in order)
+        gap = "-" if r.gap_xfit is None or pd.isna(r.gap_xfit) else \
+            f"{r.gap_xfit:.2f} [{r.gap_xfit_ci_low:.2f}, {r.gap_xfit_ci_high:.2f}]"
+        lines.append(f"| {setting} | {task} | {length} | {stride} | {ratio:g} | {press} | {r['mean']:.3f} | "
+                     f"{_p(r.p_value)} | {gap} | {_f(r.detectable_gap, 2)} | {lowest} | "
+                     f"{_f(diff, 2)} ({_p(p_boundary)}) |")
+    return "\n".join(lines) + "\n"
+
+
+def depth_markdown(records: pd.DataFrame) -> str:
+    lines = ["### Accuracy by needle depth (five bins, start to end of the context; mean over the cells)", "",
+             "| setting | press | ratio | 0-0.2 | 0.2-0.4 | 0.4-0.6 | 0.6-0.8 | 0.8-1 |", "|---|---|---|---|---|---|---|---|"]
+    for (setting, press, ratio), part in records.groupby(["setting", "press", "compression_ratio"]):
+        bins = np.array([[np.nan if m is None else m for m, _ in r] for r in part.per_depth if r], dtype=float)
+        if not len(bins):
+            continue
+        means = np.nanmean(bins, axis=0)
+        lines.append(f"| {setting} | {press} | {ratio:g} | " + " | ".join(_f(x, 2) for x in means) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+")
+    parser.add_argument("--press", default="phase_aware")
+    parser.add_argument("--reference", default="chunked_stride")
+    parser.add_argument("--baselines", default="snapkv,knorm,streaming_llm,chunkkv,chunk,expected_attention,tova,"
+                                               "keydiff,pyramidkv,kvzip")
+    parser.add_argument("--output", help="write the Markdown here as well as to stdout")
+    args = parser.parse_args(argv)
+    try:
+        results = load(args.runs)
+    except ValueError as exc:
+        print(f"targets: error: {exc}", file=sys.stderr)
+        return 2
+    records = pd.DataFrame(summarize(results, n_resamples=1000))
+    baselines = [b for b in args.baselines.split(",") if b and b.split(":")[0] not in OUR_PRESSES]
+    table = targets(records, args.press, args.reference, baselines)
+    text = "\n".join([targets_markdown(table, args.press, args.reference), science(results, records),
+                      depth_markdown(records)])
+    print(text)
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
