@@ -183,47 +183,12 @@ class _null:
 
 
 # ------------------------------------------------------------------------------------------------ KVzip
-@torch.inference_mode()
 def kvzip_scores(model, tokenizer, context_ids: torch.Tensor, cache) -> torch.Tensor:
     """KVzip's importance scores ``(layers, 1, kv_heads, context_length)`` of a prefilled context, computed by
-    kvpress's ``KVzipPress`` (the model repeats the context over a copy of ``cache``; ``cache`` is not modified).
+    kvpress's ``KVzipPress`` over a copy of ``cache`` (:meth:`~kvpress_phase.presses.scorers.KVzipScorer.compute`)."""
+    from kvpress_phase.presses.scorers import KVzipScorer
 
-    The prompt around the repetition is built as ``KVzipPress.__call__`` builds it, from ``tokenizer``.
-    """
-    from kvpress import KVzipPress
-
-    from .presses import _quiet_kvzip
-
-    press = _quiet_kvzip(KVzipPress, 0.0)
-    if tokenizer.chat_template is None:
-        prefix_text, suffix_text = "", "\n"
-    else:
-        dummy = "dummy context"
-        separator = "\n" + "#" * len(dummy)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
-                                             add_generation_prompt=True, tokenize=False, enable_thinking=False)
-        context, suffix_text = text.split(separator)
-        prefix_text = context.split(dummy)[0]
-    press.prefix_length = tokenizer.encode(prefix_text, return_tensors="pt", add_special_tokens=False).shape[-1]
-    press._suffix_ids = tokenizer.encode(suffix_text, return_tensors="pt", add_special_tokens=False)
-    press._context_ids = context_ids
-    press._cache = _copied(cache)
-    press.context_length = context_ids.shape[1]
-    for layer in model.model.layers:
-        layer.self_attn.rotary_emb = model.model.rotary_emb
-    pairs = press.prepare(model, tokenizer)
-    hooks = [layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True)
-             for layer in model.model.layers]
-    try:
-        press.start_idx = press.prefix_length
-        for prefill_ids, repeat_ids in pairs:
-            press.end_idx = press.start_idx + prefill_ids.shape[1]
-            model.model(input_ids=repeat_ids.to(model.device), past_key_values=press._cache)
-            press.start_idx = press.end_idx
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return press.score_val
+    return KVzipScorer().compute(model, context_ids, cache, tokenizer=tokenizer)
 
 
 def kvzip_masks(model, scores: torch.Tensor, compression_ratio: float) -> dict:

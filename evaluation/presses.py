@@ -101,6 +101,7 @@ SCORERS = {
     "tova": "TOVAPress",
     "keydiff": "KeyDiffPress",
     "random": "RandomPress",
+    "kvzip": "kvpress_phase.presses.scorers.KVzipScorer",
 }
 """Scorers our presses accept by name in a spec (``phase_aware:scorer=snapkv``): kvpress's, and for ``snapkv`` its
 partial-rotary-safe version :class:`~kvpress_phase.presses.scorers.SnapKVScorer` (same scores otherwise)."""

@@ -151,7 +151,9 @@ def press_reads(press: Optional[BasePress]) -> frozenset:
 
     from kvpress_phase.presses import WindowedPress
 
-    if press is None or type(press) in (KnormPress, StreamingLLMPress):
+    from kvpress_phase.presses.scorers import KVzipScorer
+
+    if press is None or type(press) in (KnormPress, StreamingLLMPress, KVzipScorer):
         return frozenset()
     if type(press) in (ChunkPress, ChunkKVPress):  # they assert that no attention weights are passed
         return frozenset({ATTENTIONS}) | press_reads(press.press)
@@ -302,6 +304,8 @@ class ReplayEngine:
             return cache
         if press is not None:
             press.post_init_from_model(self.model)
+            if getattr(getattr(press, "scorer", None), "needs_context", False):  # KVzipScorer: once per prefill
+                press.scorer.scores = self._kvzip_scores(state)
         device = self.model.device
         with _shared_scores(press, state):
             self._compress_layers(state, press, cache, device)
@@ -328,13 +332,19 @@ class ReplayEngine:
         a press that removes entries. KVzip's scores are computed once per prefill and reused for every ratio."""
         if not _is_kvzip(press) or press.compression_ratio == 0:
             return None
-        from .decoding import kvzip_masks, kvzip_scores
+        from .decoding import kvzip_masks
+        return kvzip_masks(self.model, self._kvzip_scores(state), press.compression_ratio)
+
+    def _kvzip_scores(self, state: Prefill) -> torch.Tensor:
+        """KVzip's reconstruction scores of ``state``'s context, computed once per prefill (they serve kvpress's
+        ``KVzipPress`` at every ratio and our presses' ``KVzipScorer``)."""
+        from .decoding import kvzip_scores
 
         if state.offload is not None:
-            raise ValueError("KVzipPress replays the context over the full cache, which offload='cpu' does not keep")
+            raise ValueError("KVzip replays the context over the full cache, which offload='cpu' does not keep")
         if "kvzip_scores" not in state.memo:
             state.memo["kvzip_scores"] = kvzip_scores(self.model, self.tokenizer, state.context_ids, state.cache)
-        return kvzip_masks(self.model, state.memo["kvzip_scores"], press.compression_ratio)
+        return state.memo["kvzip_scores"]
 
     @torch.inference_mode()
     def answer_many(self, state: Prefill, presses: list, question_ids: torch.Tensor, max_new_tokens: int, *,
@@ -484,11 +494,12 @@ def _shared_scores(press, state: Prefill):
     from kvpress_phase.presses import WindowedPress
 
     scorer = press.scorer if isinstance(press, WindowedPress) else press
-    if not isinstance(scorer, ScorerPress) or type(scorer).__name__ == "RandomPress" or "score" in vars(scorer):
+    if (not isinstance(scorer, ScorerPress) or type(scorer).__name__ == "RandomPress" or "score" in vars(scorer)
+            or getattr(scorer, "needs_context", False)):  # KVzipScorer: its scores are already per prefill
         yield
         return
     settings = tuple((f.name, repr(getattr(scorer, f.name))) for f in dataclasses.fields(scorer)
-                     if f.name != "compression_ratio")
+                     if f.name != "compression_ratio" and f.compare)
     memo = state.memo.setdefault("scores", {})
     recorded = {id(entry[2]): layer for layer, entry in state.inputs.items()}
     original = scorer.score

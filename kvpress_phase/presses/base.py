@@ -7,6 +7,7 @@ call, is here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -103,6 +104,9 @@ class WindowedPress(BasePress):
             raise ValueError(f"decoding must be True or False, got {self.decoding!r}")
         if not isinstance(self.scorer, ScorerPress):
             raise ValueError(f"scorer must be a kvpress ScorerPress, got {type(self.scorer).__name__}")
+        if self.decoding and getattr(self.scorer, "needs_context", False):
+            raise ValueError(f"decoding=True cannot use {type(self.scorer).__name__}: its scores need the whole "
+                             "context, which a decoding step does not have")
         if self.mode == "select" and self.effective_window != self.stride:
             raise ValueError(
                 f"window must equal stride ({self.stride}) in mode='select' (got {self.effective_window}): "
@@ -214,6 +218,19 @@ class WindowedPress(BasePress):
         return pool_windows(keys, values, layout, scores=scores, weighting=self.weighting, rope=self.rope,
                             inv_freq=inv_freq, backend=self.backend)
 
+    @contextlib.contextmanager
+    def __call__(self, model):
+        """kvpress's context manager (compression during the prefill), except with a scorer that needs the whole
+        context (``scorer.needs_context``, e.g. :class:`~kvpress_phase.presses.scorers.KVzipScorer`): then the
+        prefill runs uncompressed, the scorer scores the finished context, and every layer's cache is compressed
+        when the context manager exits, to the same exact length."""
+        if not getattr(self.scorer, "needs_context", False):
+            with BasePress.__call__(self, model):
+                yield
+            return
+        with _compress_after_prefill(self, model):
+            yield
+
     def forward_hook(self, module: nn.Module, input, kwargs: dict, output):
         if self.decoding and not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
             return _decoding.decode_step(self, module, kwargs, output)
@@ -249,3 +266,51 @@ class WindowedPress(BasePress):
     @property
     def needs_scores_for_grid(self) -> bool:
         return False
+
+
+@contextlib.contextmanager
+def _compress_after_prefill(press: WindowedPress, model):
+    """Record each attention layer's prefill inputs, let the prefill finish uncompressed, have the press's scorer
+    score the whole context (``scorer.compute(model, context_ids, cache)``), then compress every layer's cache."""
+    from transformers import QuantizedCache
+
+    press.post_init_from_model(model)
+    language_model = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    records: dict = {}
+    seen: dict = {}
+
+    def record(module, args, kwargs, output):
+        if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            kept = ("position_embeddings", "cache_position", "position_ids")
+            records[module.layer_idx] = (module, {k: v for k, v in kwargs.items() if k in kept})
+
+    original = language_model.forward
+
+    def forward(*args, **kwargs):
+        seen["ids"] = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        seen["cache"] = kwargs.get("past_key_values")
+        return original(*args, **kwargs)
+
+    hooks = []
+    language_model.forward = forward
+    try:
+        for layer in language_model.layers:
+            layer.self_attn.rotary_emb = language_model.rotary_emb
+            hooks.append(layer.self_attn.register_forward_hook(record, with_kwargs=True))
+        yield
+    finally:
+        del language_model.forward
+        for hook in hooks:
+            hook.remove()
+    cache, ids = seen.get("cache"), seen.get("ids")
+    if not records or cache is None:
+        return
+    if isinstance(cache, QuantizedCache):
+        raise ValueError(f"{type(press.scorer).__name__} compresses after the prefill, which a QuantizedCache does "
+                         "not support here; use a DynamicCache")
+    if ids.shape[0] != 1:
+        raise ValueError(f"{type(press.scorer).__name__} scores one context at a time (batch 1), got {ids.shape[0]}")
+    press.scorer.compute(model, ids, cache)
+    for layer_idx, (module, kwargs) in sorted(records.items()):
+        layer = cache.layers[layer_idx]
+        layer.keys, layer.values = press.compress(module, None, layer.keys, layer.values, None, kwargs)

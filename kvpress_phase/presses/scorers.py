@@ -1,4 +1,4 @@
-"""Scorers our presses use by default, where kvpress's own need a fix.
+"""Scorers our presses use where kvpress's own need a fix, and KVzip's reconstruction scores as a scorer.
 
 :class:`SnapKVScorer` is kvpress's :class:`~kvpress.SnapKVPress` (the attention that the context's last
 ``window_size`` queries pay to every key, averaged over the query heads of each KV head and smoothed) with one
@@ -13,12 +13,14 @@ context tokens; a question that the context ends with, or a context whose end re
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
 
 import torch
-from kvpress import SnapKVPress
+from kvpress import ScorerPress, SnapKVPress
 from kvpress.utils import get_prerope_query_states
 from torch import nn
 from torch.nn import functional as F
@@ -121,3 +123,93 @@ def _rotated_queries(module: nn.Module, hidden_states: torch.Tensor, position_em
     rotary = cos.shape[-1]
     q_rot, q_pass = query[..., :rotary], query[..., rotary:]
     return torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1)
+
+
+@dataclass
+class KVzipScorer(ScorerPress):
+    """KVzip's query-agnostic importance scores as a scorer for our presses (``scorer=KVzipScorer()``).
+
+    KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"; kvpress's
+    ``KVzipPress``) scores every cache entry by the largest attention it receives while the model, prompted to
+    "repeat the previous context", reconstructs the context over its own cache. The scores need the whole prefilled
+    context, so a press with this scorer does not compress during the prefill: it records each layer's inputs,
+    lets the prefill finish, computes the scores (:meth:`compute`, kvpress's own ``KVzipPress`` code: about twice
+    the prefill's compute) and then compresses every layer's cache (``WindowedPress.__call__``). The cache is really
+    shortened, with our presses' exact length rule (kvpress's ``KVzipPress`` keeps every entry and masks the evicted
+    ones).
+
+    Parameters
+    ----------
+    chunk_size : int, default 2048
+        Context tokens reconstructed by each replay pass (KVzipPress's ``chunk_size``).
+    tokenizer : optional
+        The model's tokenizer, for the reconstruction prompt; None loads it from ``model.config.name_or_path`` as
+        kvpress's ``KVzipPress`` does.
+    """
+
+    compression_ratio: float = 0.0
+    chunk_size: int = 2048
+    tokenizer: Optional[object] = field(default=None, repr=False, compare=False)
+    scores: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
+    """``(layers, batch, kv_heads, context_length)``: the scores of the last context (:meth:`compute`)."""
+    needs_context: ClassVar[bool] = True
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        if self.scores is None:
+            raise ValueError("KVzipScorer's scores come from reconstructing the whole context after the prefill: use "
+                             "the press as a context manager (`with press(model): ...` or kvpress's pipeline)")
+        n = keys.shape[2]
+        scores = self.scores[module.layer_idx]
+        if scores.shape[-1] != n:
+            raise ValueError(f"KVzipScorer holds scores of {scores.shape[-1]} tokens, the layer has {n}")
+        return scores.to(device=keys.device, dtype=torch.float32)
+
+    @torch.inference_mode()
+    def compute(self, model, context_ids: torch.Tensor, cache, tokenizer=None) -> torch.Tensor:
+        """Score the prefilled context ``context_ids`` (its full cache ``cache``, not modified) with kvpress's
+        ``KVzipPress``: the reconstruction prompt around the context as ``KVzipPress.__call__`` builds it, its
+        forward hooks over a copy of the cache. Stores and returns the scores."""
+        import logging
+
+        from kvpress import KVzipPress
+        from transformers import AutoTokenizer
+
+        tokenizer = tokenizer or self.tokenizer or AutoTokenizer.from_pretrained(model.config.name_or_path)
+        log = logging.getLogger("kvpress.presses.kvzip_press")
+        level = log.level
+        log.setLevel(logging.ERROR)  # KVzipPress warns about its cost at every construction
+        try:
+            press = KVzipPress(compression_ratio=0.0, chunk_size=self.chunk_size)
+        finally:
+            log.setLevel(level)
+        if tokenizer.chat_template is None:
+            prefix_text, suffix_text = "", "\n"
+        else:
+            dummy = "dummy context"
+            separator = "\n" + "#" * len(dummy)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                                 add_generation_prompt=True, tokenize=False, enable_thinking=False)
+            context, suffix_text = text.split(separator)
+            prefix_text = context.split(dummy)[0]
+        press.prefix_length = tokenizer.encode(prefix_text, return_tensors="pt", add_special_tokens=False).shape[-1]
+        press._suffix_ids = tokenizer.encode(suffix_text, return_tensors="pt", add_special_tokens=False)
+        press._context_ids = context_ids
+        press._cache = copy.copy(cache)  # the reconstruction appends to (new tensors of) every layer
+        press._cache.layers = [copy.copy(layer) for layer in cache.layers]
+        press.context_length = context_ids.shape[1]
+        for layer in model.model.layers:
+            layer.self_attn.rotary_emb = model.model.rotary_emb
+        pairs = press.prepare(model, tokenizer)
+        hooks = [layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True)
+                 for layer in model.model.layers]
+        try:
+            press.start_idx = press.prefix_length
+            for prefill_ids, repeat_ids in pairs:
+                press.end_idx = press.start_idx + prefill_ids.shape[1]
+                model.model(input_ids=repeat_ids.to(model.device), past_key_values=press._cache)
+                press.start_idx = press.end_idx
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.scores = press.score_val
+        return self.scores

@@ -166,3 +166,29 @@ def test_duplicate_k_is_refused_unless_allowed():
     with pytest.raises(ValueError, match="allow-duplicate-k"):
         EvalConfig(compression_ratios=[0.4, 0.375], strides=[8, 4]).validate()
     EvalConfig(compression_ratios=[0.4, 0.375], strides=[4], allow_duplicate_k=True).validate()
+
+
+def test_kvzip_scorer_press_through_the_pipeline_and_the_replay(model, word_tokenizer, row):
+    """PhaseAwarePress with KVzip's scores: compresses after the prefill to the exact length, and the runner's
+    replay (scores once per prefill) gives the pipeline's answer."""
+    from kvpress_phase.phase import compressed_length
+    from kvpress_phase.presses.scorers import KVzipScorer
+
+    def press():
+        return PhaseAwarePress(0.5, offset=row["offset"], residual="drop", scorer=KVzipScorer(tokenizer=word_tokenizer))
+
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=word_tokenizer, device="cpu")
+    cache = DynamicCache()
+    used = press()
+    direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"], press=used,
+                  max_new_tokens=8, cache=cache)["answer"]
+    engine = ReplayEngine(model, word_tokenizer)
+    encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+    n = encoded["context_ids"].shape[1]
+    assert cache.get_seq_length(0) == compressed_length(n, 8, 0.5, 4, 16)
+    state = engine.prefill(encoded["context_ids"])
+    replayed = engine.answer_many(state, [press()], encoded["questions_ids"][0], 8, batch_size=1)[0]
+    assert replayed["prediction"] == direct
+    assert torch.equal(used.scorer.scores, state.memo["kvzip_scores"])
+    with pytest.raises(ValueError, match="whole context"):
+        PhaseAwarePress(0.5, scorer=KVzipScorer(), decoding=True)
