@@ -194,11 +194,9 @@ def kvzip_scores(model, tokenizer, context_ids: torch.Tensor, cache) -> torch.Te
 def kvzip_masks(model, scores: torch.Tensor, compression_ratio: float) -> dict:
     """The entries ``KVzipPress(compression_ratio)`` masks, per layer ``(head_indices, seq_indices)``, by kvpress's
     own ``compress_post`` (sinks kept; a global budget across layers and heads) on a copy of ``scores``."""
-    from kvpress import KVzipPress
+    from kvpress_phase.presses.scorers import quiet_kvzip_press
 
-    from .presses import _quiet_kvzip
-
-    press = _quiet_kvzip(KVzipPress, compression_ratio)
+    press = quiet_kvzip_press(compression_ratio)
     press.score_val = scores.clone()
     masks = {}
     try:

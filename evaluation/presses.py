@@ -137,8 +137,10 @@ def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: 
     With ``matched_context_length``, the kvpress baselines run at :func:`matched_ratio` for that many tokens
     instead of the nominal ratio, so that they keep as many entries as ``ChunkedStridePress`` does.
     """
-    from kvpress import (ChunkKVPress, ChunkPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, KVzipPress,
-                         PyramidKVPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+    from kvpress import (ChunkKVPress, ChunkPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, PyramidKVPress,
+                         SnapKVPress, StreamingLLMPress, TOVAPress)
+
+    from kvpress_phase.presses.scorers import quiet_kvzip_press
 
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
 
@@ -165,23 +167,10 @@ def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: 
         "tova": lambda: TOVAPress(base_ratio),
         "keydiff": lambda: KeyDiffPress(base_ratio),
         "pyramidkv": lambda: PyramidKVPress(base_ratio),
-        "kvzip": lambda: _quiet_kvzip(KVzipPress, base_ratio),
+        "kvzip": lambda: quiet_kvzip_press(base_ratio),
     }
     try:
         return factories[spec.name]()
     except TypeError as exc:  # an unknown keyword in the settings
         raise ValueError(f"invalid setting for press {spec.label!r}: {exc}") from None
 
-
-def _quiet_kvzip(cls, ratio: float):
-    """KVzipPress, without the warning about its cost that kvpress logs at every construction (the evaluation
-    builds one per context; README and BENCHMARKS.md state the cost)."""
-    import logging
-
-    log = logging.getLogger("kvpress.presses.kvzip_press")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        return cls(compression_ratio=ratio)
-    finally:
-        log.setLevel(level)

@@ -169,19 +169,10 @@ class KVzipScorer(ScorerPress):
         """Score the prefilled context ``context_ids`` (its full cache ``cache``, not modified) with kvpress's
         ``KVzipPress``: the reconstruction prompt around the context as ``KVzipPress.__call__`` builds it, its
         forward hooks over a copy of the cache. Stores and returns the scores."""
-        import logging
-
-        from kvpress import KVzipPress
         from transformers import AutoTokenizer
 
         tokenizer = tokenizer or self.tokenizer or AutoTokenizer.from_pretrained(model.config.name_or_path)
-        log = logging.getLogger("kvpress.presses.kvzip_press")
-        level = log.level
-        log.setLevel(logging.ERROR)  # KVzipPress warns about its cost at every construction
-        try:
-            press = KVzipPress(compression_ratio=0.0, chunk_size=self.chunk_size)
-        finally:
-            log.setLevel(level)
+        press = quiet_kvzip_press(0.0, chunk_size=self.chunk_size)
         if tokenizer.chat_template is None:
             prefix_text, suffix_text = "", "\n"
         else:
@@ -213,3 +204,19 @@ class KVzipScorer(ScorerPress):
                 hook.remove()
         self.scores = press.score_val
         return self.scores
+
+
+def quiet_kvzip_press(compression_ratio: float, **kwargs):
+    """kvpress's ``KVzipPress``, without the warning about its cost that kvpress logs at every construction (the
+    evaluation builds one per context; README and BENCHMARKS.md state the cost)."""
+    import logging
+
+    from kvpress import KVzipPress
+
+    log = logging.getLogger("kvpress.presses.kvzip_press")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return KVzipPress(compression_ratio=compression_ratio, **kwargs)
+    finally:
+        log.setLevel(level)
