@@ -12,8 +12,8 @@ from typing import Callable, Optional
 
 PRESS_DESCRIPTIONS = {
     "no_press": "no compression (the uncompressed control)",
-    "chunked_stride": "ChunkedStridePress: fixed windows every stride tokens, each merged into k entries",
-    "phase_aware": "PhaseAwarePress: the same cache length, the best tokens of the row kept raw (SnapKV scores shared by the KV heads), the rest pooled",
+    "chunked_stride": "ChunkedStridePress: fixed windows every stride tokens, each keeps its k best tokens by KeyDiff score (:mode=pool merges them into k entries)",
+    "phase_aware": "PhaseAwarePress: the same cache length, the row's best tokens by KeyDiff score wherever they are (no fixed budget per window)",
     "snapkv": "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
     "knorm": "kvpress KnormPress (key norm)",
     "streaming_llm": "kvpress StreamingLLMPress (sink + recent tokens)",

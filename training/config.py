@@ -16,7 +16,7 @@ DEFAULT_TASKS = {"niah_single": 1.0, "niah_multikey": 1.0, "niah_multiquery": 1.
 
 RECIPES: dict[str, dict] = {
     "chunked": dict(
-        model="builtin", press="chunked_stride", ratios=[0.25, 0.5, 0.625, 0.75, 0.875], strides=[4, 8, 16],
+        model="builtin", press="chunked_stride:mode=pool", ratios=[0.25, 0.5, 0.625, 0.75, 0.875], strides=[4, 8, 16],
         offset_mode="random", uncompressed_fraction=0.1, tasks=dict(DEFAULT_TASKS),
         context_lengths=[512, 1024, 2048], steps=2400, batch_size=8, grad_accum=1, lr=3e-4, min_lr=3e-5,
         warmup=50, weight_decay=0.0, seed=0,

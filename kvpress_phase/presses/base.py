@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
-from kvpress import BasePress, KnormPress, ScorerPress
+from kvpress import BasePress, KeyDiffPress, ScorerPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
@@ -45,13 +45,13 @@ class WindowedPress(BasePress):
     """Common base of :class:`ChunkedStridePress` and :class:`PhaseAwarePress` (see their docstrings)."""
 
     compression_ratio: float = 0.0
-    window: Optional[int] = 8
+    window: Optional[int] = None
     stride: int = 8
     offset: int = 0
     n_sink: int = 4
     n_local: int = 16
-    mode: str = "pool"
-    scorer: ScorerPress = field(default_factory=KnormPress)
+    mode: str = "select"
+    scorer: ScorerPress = field(default_factory=KeyDiffPress)
     weighting: str = "mean"
     rope: str = "start"
     backend: Optional[str] = None

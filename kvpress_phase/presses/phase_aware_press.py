@@ -11,7 +11,7 @@ from torch import nn
 
 from kvpress_phase.kernels import Compressed, keep_and_pool
 from kvpress_phase.phase import WindowLayout, kept_per_window, merge_period
-from kvpress import ScorerPress
+from kvpress import KeyDiffPress, ScorerPress
 
 from kvpress_phase.presses.base import WindowedPress, _check_choice, _check_int
 from kvpress_phase.presses.scorers import SnapKVScorer
@@ -103,16 +103,17 @@ class PhaseAwarePress(WindowedPress):
     """
 
     window: Optional[int] = None
+    mode: str = "pool"
     stagger: str = "head"
     spread: str = "period"
     overlap: Optional[bool] = False
     align: bool = True
-    scorer: ScorerPress = field(default_factory=SnapKVScorer)
+    scorer: ScorerPress = field(default_factory=KeyDiffPress)
     budget: str = "row"
     span: int = 0
     span_pool: str = "max"
     share_heads: bool = True
-    residual: str = "pool"
+    residual: str = "drop"
     pool_window: Optional[int] = None
     recent: float = 0.0
     n_layers: Optional[int] = field(default=None, init=False, repr=False, compare=False)  # from the model
@@ -141,9 +142,10 @@ class PhaseAwarePress(WindowedPress):
             raise ValueError(f"recent={r} needs budget='row' (a share of the row's raw-token budget)")
         if not isinstance(self.share_heads, bool):
             raise ValueError(f"share_heads must be True or False, got {self.share_heads!r}")
-        if self.budget != "window" and (self.mode != "pool" or self.overlap):
-            raise ValueError(f"budget={self.budget!r} needs mode='pool' and overlap=False: it keeps the best tokens "
-                             "raw and pools the others; use budget='window' for select mode or overlapping windows")
+        if self.budget != "window" and (self.mode != "pool" or self.overlap) and self.residual == "pool":
+            raise ValueError(f"budget={self.budget!r} with residual='pool' needs mode='pool' and overlap=False: it "
+                             "keeps the best tokens raw and pools the others; use residual='drop', or budget='window' "
+                             "for select mode or overlapping windows")
         _check_choice("stagger", self.stagger, STAGGERS)
         _check_choice("spread", self.spread, SPREADS)
         if self.overlap is not None and not isinstance(self.overlap, bool):

@@ -8,6 +8,7 @@ from kvpress import ComposedPress, DecodingPress, KnormPress, PrefillDecodingPre
 from transformers import DynamicCache, QuantizedCache, pipeline
 
 from tiny_models import tiny_model
+from kvpress_phase.presses.scorers import SnapKVScorer
 from kvpress_phase import ChunkedStridePress, PerLayerWindowedPress, PhaseAwarePress
 from kvpress_phase.phase import compressed_length
 
@@ -15,7 +16,8 @@ PRESSES = {
     "chunked_select": lambda r, **kw: ChunkedStridePress(r, mode="select", **kw),
     "chunked_pool": lambda r, **kw: ChunkedStridePress(r, mode="pool", **kw),
     "phase_aware_select": lambda r, **kw: PhaseAwarePress(r, mode="select", budget="window", **kw),
-    "phase_aware_pool": lambda r, **kw: PhaseAwarePress(r, mode="pool", **kw),
+    "phase_aware_pool": lambda r, **kw: PhaseAwarePress(r, mode="pool", residual="pool", scorer=SnapKVScorer(), **kw),
+    "phase_aware": lambda r, **kw: PhaseAwarePress(r, **kw),  # the default: row budget, KeyDiff scores, drop
 }
 PRUNING = {"knorm": lambda: KnormPress(0.5), "streaming_llm": lambda: StreamingLLMPress(0.5, n_sink=4)}
 CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))

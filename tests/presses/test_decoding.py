@@ -13,6 +13,7 @@ from transformers import DynamicCache, pipeline
 
 from tiny_models import tiny_model
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+from kvpress_phase.presses.scorers import SnapKVScorer
 from kvpress_phase.phase import compressed_length, group_bounds
 from kvpress_phase.presses import decoding
 
@@ -37,23 +38,25 @@ def _window(ratio, **kw):
 
 # presses whose grid does not depend on the content, so decoding must reproduce a prefill of the whole sequence
 FIXED_GRID = {
-    "chunked_pool": lambda: ChunkedStridePress(0.5, decoding=True),
-    "chunked_select": lambda: ChunkedStridePress(0.5, mode="select", decoding=True),
-    "chunked_pool_offset_score": lambda: ChunkedStridePress(0.75, offset=5, weighting="score", rope="centroid",
-                                                            decoding=True),
+    "chunked_pool": lambda: ChunkedStridePress(0.5, mode="pool", decoding=True),
+    "chunked_select": lambda: ChunkedStridePress(0.5, mode="select", scorer=KnormPress(), decoding=True),
+    "chunked_pool_offset_score": lambda: ChunkedStridePress(0.75, offset=5, mode="pool", weighting="score",
+                                                            rope="centroid", scorer=KnormPress(), decoding=True),
     "phase_aware_pool": lambda: _window(0.5, align=False),
     "phase_aware_select": lambda: _window(0.5, mode="select", align=False),
     "phase_aware_overlap": lambda: _window(0.75, overlap=True, align=False, offset=3),
     "phase_aware_head_layer": lambda: _window(0.625, stagger="head_layer", align=False),
 }
 TRITON = {  # the Triton kernels on the decoding layouts (on the CPU through TRITON_INTERPRET=1, see conftest.py)
-    "chunked_pool_triton": lambda: ChunkedStridePress(0.5, decoding=True, backend="triton"),
+    "chunked_pool_triton": lambda: ChunkedStridePress(0.5, mode="pool", decoding=True, backend="triton"),
     "phase_aware_select_triton": lambda: _window(0.5, mode="select", align=False, backend="triton"),
 }
 PIPELINE_PRESSES = {
-    "chunked_pool": lambda: ChunkedStridePress(0.5, decoding=True),
+    "chunked_pool": lambda: ChunkedStridePress(0.5, mode="pool", decoding=True),
     "chunked_select": lambda: ChunkedStridePress(0.75, mode="select", decoding=True),
-    "phase_aware_pool": lambda: PhaseAwarePress(0.5, decoding=True),
+    "chunked_default": lambda: ChunkedStridePress(0.5, decoding=True),
+    "phase_aware_pool": lambda: PhaseAwarePress(0.5, residual="pool", scorer=SnapKVScorer(), decoding=True),
+    "phase_aware_default": lambda: PhaseAwarePress(0.5, decoding=True),
     "phase_aware_select": lambda: PhaseAwarePress(0.5, mode="select", budget="window", decoding=True),
     "phase_aware_row": lambda: PhaseAwarePress(0.5, budget="row", decoding=True),
     "phase_aware_window_topk": lambda: PhaseAwarePress(0.75, budget="window_topk", decoding=True),

@@ -17,8 +17,10 @@ PRESSES = {
     "chunked_pool": lambda r: ChunkedStridePress(r, mode="pool"),
     "phase_aware_select": lambda r: PhaseAwarePress(r, mode="select", budget="window", scorer=KnormPress()),
     "phase_aware_window": lambda r: PhaseAwarePress(r, budget="window", scorer=KnormPress()),
-    "phase_aware": lambda r: PhaseAwarePress(r),  # budget="row" with SnapKVScorer
-    "phase_aware_row_short_window": lambda r: PhaseAwarePress(r, scorer=SnapKVScorer(window_size=16)),
+    "phase_aware": lambda r: PhaseAwarePress(r),  # the default: budget="row", KeyDiff scores, residual="drop"
+    "phase_aware_row_pool_snapkv": lambda r: PhaseAwarePress(r, residual="pool", scorer=SnapKVScorer()),
+    "phase_aware_row_short_window": lambda r: PhaseAwarePress(r, residual="pool",
+                                                              scorer=SnapKVScorer(window_size=16)),
 }
 CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))
 
@@ -105,10 +107,11 @@ class _NoRopeAttention(torch.nn.Module):
 
 
 def _fake_layer_kwargs(cls, mode="pool"):
-    """The fake layer has no projections for SnapKV: PhaseAwarePress scores it by key norm here."""
+    """The fake layer has no projections for SnapKV: PhaseAwarePress scores it by key norm here, and pools its
+    leftovers (``residual="pool"``) so that the RoPE handling is exercised."""
     if cls is not PhaseAwarePress:
         return {}
-    return {"scorer": KnormPress(), **({"budget": "window"} if mode == "select" else {})}
+    return {"scorer": KnormPress(), "residual": "pool", **({"budget": "window"} if mode == "select" else {})}
 
 
 @pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
@@ -126,8 +129,10 @@ def test_model_without_rotary_embedding_is_refused_at_setup():
     model = tiny_model("llama")
     model.model.rotary_emb = None
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        with ChunkedStridePress(0.5, rope="start")(model):
+        with ChunkedStridePress(0.5, mode="pool", rope="start")(model):
             pass
+    with ChunkedStridePress(0.5)(model):  # selection (the default) needs no rotary embedding
+        pass
 
 
 @pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])

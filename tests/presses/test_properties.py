@@ -296,7 +296,7 @@ def test_window_topk_keeps_as_many_raw_tokens_in_every_window():
     seq, stride, ratio = 120, 8, 0.5
     keys = torch.randn(1, 1, seq, HEAD_DIM, generator=torch.Generator().manual_seed(2))
     press = PhaseAwarePress(ratio, stride=stride, budget="window_topk", align=False, stagger="none", rope="none",
-                            scorer=KnormPress())
+                            scorer=KnormPress(), residual="pool")
     press.compress(FakeAttention(), None, keys, keys.clone(), None, {})
     stats = press.stats[0]
     layout = stats.layout

@@ -59,7 +59,8 @@ def test_phase_aware_window_conflicts():
 
 def test_valid_presses_construct():
     ChunkedStridePress(0.0)
-    ChunkedStridePress(0.9, window=12, stride=8, offset=3, n_sink=0, n_local=0, scorer=KnormPress())
+    ChunkedStridePress(0.9, window=12, stride=8, offset=3, n_sink=0, n_local=0, mode="pool", scorer=KnormPress())
+    ChunkedStridePress(0.5, stride=4)  # select (the default) with the window equal to the stride
     PhaseAwarePress(0.5, stagger="head_layer", align=True, overlap=False, budget="window")
     PhaseAwarePress(0.5)
 
@@ -67,4 +68,5 @@ def test_valid_presses_construct():
 def test_content_budgets_need_pool_mode_without_overlap():
     for kw in ({"mode": "select"}, {"overlap": True}):
         with pytest.raises(ValueError, match="budget='row'"):
-            PhaseAwarePress(0.5, budget="row", **kw)
+            PhaseAwarePress(0.5, budget="row", residual="pool", **kw)
+    PhaseAwarePress(0.5, budget="row", mode="select")  # nothing is pooled with residual="drop" (the default)
