@@ -24,7 +24,10 @@ from .runner import EvalConfig
 
 QUICK = EvalConfig(
     tasks=["niah_single", "niah_multikey"],
-    presses=list(PRESS_DESCRIPTIONS),
+    # every registered press, and ChunkedStridePress's pooled windows (the chunked compression of the paper, whose
+    # weak phases the built-in model shows) beside its default selection
+    presses=["no_press", "chunked_stride", "chunked_stride:mode=pool"] + [p for p in PRESS_DESCRIPTIONS
+                                                                          if p not in ("no_press", "chunked_stride")],
     compression_ratios=[0.25],
     strides=[8],
     protocol="prefix",
@@ -62,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated task names (default: {','.join(QUICK.tasks)}; see `kvpress-phase list`)")
     ev.add_argument("--presses", type=csv_list(str, "--presses"), default=QUICK.presses,
                     help="comma-separated press names, each optionally with :key=value settings for our presses, "
-                         "e.g. phase_aware:stagger=none (default: all registered presses)")
+                         "e.g. phase_aware:stagger=none (default: all registered presses and chunked_stride:mode=pool)")
     ev.add_argument("--compression-ratios", type=csv_list(float, "--compression-ratios"),
                     default=QUICK.compression_ratios, help="comma-separated ratios in [0, 1) (default: 0.25)")
     ev.add_argument("--strides", type=csv_list(int, "--strides"), default=QUICK.strides,

@@ -34,6 +34,15 @@ class ChunkedStridePress(WindowedPress):
 
     A sequence too short for one window passes through unchanged.
 
+    Defaults: **selection** (``mode="select"``: each window keeps its ``k`` best tokens, which keep their original
+    rotation) scored by kvpress's ``KeyDiffPress`` (keys least similar to the mean key; query-agnostic, keys only).
+    They were chosen on the real pretrained model SmolLM2-135M-Instruct under a pre-registered dev split
+    (``docs/preregistration-real-model.md``): pooled entries are toxic to a model never trained with them (pooling
+    scored 0.00-0.06 in every dev cell, whatever the RoPE handling), and KeyDiff was the best cheap per-window
+    scorer (mean 0.21 over the dev cells, key norms 0.08, SnapKV 0.02). Pooling (``mode="pool"``) stays for models
+    trained with a pooled cache: the built-in ``chunked`` model was trained with it (``RESULTS.md``, section 5).
+    The test split's figures are in ``RESULTS.md``, section R1.
+
     Positions. A key's index in the cache is taken as its position, which holds only when no other press has
     shortened the cache before: on a shortened cache (fewer keys than the layer's tokens) the press raises
     ``ValueError``; in a ``kvpress.ComposedPress`` put it first. A ratio per layer: :class:`PerLayerWindowedPress`.
@@ -42,8 +51,8 @@ class ChunkedStridePress(WindowedPress):
     ----------
     compression_ratio : float, default 0.0
         Fraction of each window's entries removed, in [0, 1). 0 returns the cache unchanged.
-    window : int, default 8
-        W, tokens read by each window, ``>= stride``. ``window == stride`` gives non-overlapping windows;
+    window : int or None, default None
+        W, tokens read by each window, ``>= stride``; None means ``stride`` (non-overlapping windows).
         ``window > stride`` (overlapping windows) needs ``mode="pool"``.
     stride : int, default 8
         S, distance between window starts, ``>= 1``.
@@ -53,13 +62,16 @@ class ChunkedStridePress(WindowedPress):
         Initial tokens always kept raw (attention sinks).
     n_local : int, default 16
         Most recent tokens always kept raw.
-    mode : {"pool", "select"}, default "pool"
-        ``"pool"`` merges each window into ``k`` entries (slot ``i`` of the window feeds entry
-        ``floor(i * k / W)``); ``"select"`` keeps the ``k`` highest-scoring tokens of each window (ties to the
-        earlier token), which keep their original rotation.
-    scorer : kvpress.ScorerPress, default ``KnormPress()``
+    mode : {"select", "pool"}, default "select"
+        ``"select"`` keeps the ``k`` highest-scoring tokens of each window (ties to the earlier token), which keep
+        their original rotation; ``"pool"`` merges each window into ``k`` entries (slot ``i`` of the window feeds
+        entry ``floor(i * k / W)``).
+    scorer : kvpress.ScorerPress, default ``KeyDiffPress()``
         Per-token scores (higher = more important) for ``mode="select"`` and ``weighting="score"``. Its own
-        ``compression_ratio`` is ignored.
+        ``compression_ratio`` is ignored. Any kvpress ``ScorerPress``, or
+        :class:`~kvpress_phase.presses.scorers.KVzipScorer` (KVzip's reconstruction scores; the press then
+        compresses after the prefill). While decoding (``decoding=True``) a scorer sees only the block being
+        compressed: KeyDiff's mean key is then the block's.
     weighting : {"mean", "score"}, default "mean"
         Pool weights inside each merged group: uniform, or softmax of the scorer's scores.
     rope : {"start", "center", "centroid", "none"}, default "start"
