@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = FinetuneConfig()
     parser.add_argument("--recipe", choices=sorted(RECIPES), default=S,
                         help="start from a named configuration; explicit flags override it")
-    parser.add_argument("--model", default=S, help="built-in model name (builtin, chunked), local directory or "
-                                                   "hub id (default: the built-in model)")
+    parser.add_argument("--model", default=S, help="model name (builtin, chunked, smollm2: the real model, fetched "
+                                                   "on first use), local directory or hub id (default: the built-in "
+                                                   "model)")
     parser.add_argument("--press", default=S, help=f"chunked_stride or phase_aware, optionally with :key=value "
                                                    f"settings (default: {d.press})")
     parser.add_argument("--ratios", type=csv_list(float, "--ratios"), default=S,
