@@ -32,7 +32,7 @@ def model(word_tokenizer):
 
 PRESSES = ["no_press", "chunked_stride", "chunked_stride:mode=select", "phase_aware", "phase_aware:align=true",
            "knorm", "snapkv", "streaming_llm", "chunkkv", "chunk", "expected_attention", "tova", "keydiff"]
-# pyramidkv and kvzip: tests/evaluation/test_decoding.py (kvpress's pipeline cannot run them here)
+# pyramidkv and kvzip: tests/evaluation/test_batched_decoding.py (kvpress's pipeline cannot run them here)
 
 
 def test_replay_gives_the_pipeline_answers(model, word_tokenizer):
