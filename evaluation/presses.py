@@ -37,8 +37,9 @@ OUR_PRESSES = ("chunked_stride", "phase_aware")
 
 def reads_question(spec: "PressSpec") -> bool:
     """Whether the press ``spec`` sees the question when it is compressed with the context: the kvpress presses of
-    :data:`QUESTION_READERS`, and ours when their scores do (``PhaseAwarePress``'s default SnapKV scores; selection or
-    score weighting with a question-aware ``scorer=``)."""
+    :data:`QUESTION_READERS`, and ours when their scores do (a question-aware ``scorer=`` such as SnapKV's, for
+    ``PhaseAwarePress`` or for selection and score weighting in ``ChunkedStridePress``; the defaults' KeyDiff scores do
+    not read it)."""
     if spec.name in QUESTION_READERS:
         return True
     if spec.name not in OUR_PRESSES:

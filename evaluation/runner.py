@@ -147,13 +147,13 @@ def press_reads(press: Optional[BasePress]) -> frozenset:
     Keys, values and the layer's kwargs are always recorded. Only presses known to ignore the hidden states and the
     attention weights are listed here; any other press is assumed to read both, so nothing it needs is dropped.
     """
-    from kvpress import ChunkKVPress, ChunkPress, KnormPress, StreamingLLMPress
+    from kvpress import ChunkKVPress, ChunkPress, KeyDiffPress, KnormPress, StreamingLLMPress
 
     from kvpress_phase.presses import WindowedPress
 
     from kvpress_phase.presses.scorers import KVzipScorer
 
-    if press is None or type(press) in (KnormPress, StreamingLLMPress, KVzipScorer):
+    if press is None or type(press) in (KnormPress, KeyDiffPress, StreamingLLMPress, KVzipScorer):
         return frozenset()
     if type(press) in (ChunkPress, ChunkKVPress):  # they assert that no attention weights are passed
         return frozenset({ATTENTIONS}) | press_reads(press.press)

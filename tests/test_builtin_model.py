@@ -81,7 +81,7 @@ def test_a_model_not_built_yet_names_the_command_that_builds_it(monkeypatch, cap
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "kvpress-phase train --recipe chunked" in err
     assert cli.main(["list"]) == 0
-    assert "not built: kvpress-phase train --recipe chunked" in capsys.readouterr().out
+    assert "not available yet: kvpress-phase train --recipe chunked" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(os.path.dirname(builtin_model_path()), "builtin_model_chunked",

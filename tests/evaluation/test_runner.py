@@ -147,10 +147,16 @@ def test_needle_attention_diagnostic(model, word_tokenizer):
     assert (start >= 0).all() and (end == start + 1).all()
     assert torch.equal(keys.gather(2, start[..., None].expand(-1, -1, -1, keys.shape[-1])), cache.layers[0].keys)
     # pooled entries cover their groups
-    ours = build_press(parse_press_spec("chunked_stride"), 0.75, 8, None, 0)
+    ours = build_press(parse_press_spec("chunked_stride:mode=pool"), 0.75, 8, None, 0)
     cache = engine.compressed_cache(state, ours)
     start, end = entry_spans(ours, 0, keys, cache.layers[0].keys)
     assert ((end - start) <= 8).all() and ((end - start) >= 1).all() and (end - start).max() == 4
+    # the default ChunkedStridePress selects: one original token per entry
+    ours = build_press(parse_press_spec("chunked_stride"), 0.75, 8, None, 0)
+    cache = engine.compressed_cache(state, ours)
+    start, end = entry_spans(ours, 0, keys, cache.layers[0].keys)
+    assert (end == start + 1).all()
+    assert torch.equal(keys.gather(2, start[..., None].expand(-1, -1, -1, keys.shape[-1])), cache.layers[0].keys)
 
 
 def test_context_longer_than_the_model_positions_warns(model):
@@ -219,7 +225,8 @@ def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
     from kvpress_phase.evaluation.runner import press_reads
 
     engine = ReplayEngine(model, word_tokenizer)
-    lean_presses = ["no_press", "chunked_stride", "phase_aware:scorer=knorm", "phase_aware:budget=window:scorer=knorm",
+    lean_presses = ["no_press", "chunked_stride", "chunked_stride:mode=pool", "phase_aware", "keydiff",
+                    "phase_aware:scorer=knorm", "phase_aware:budget=window:scorer=knorm",
                     "knorm", "streaming_llm", "chunk"]
     built = [build_press(parse_press_spec(t), 0.5, 8, None, 1) for t in lean_presses]
     row, encoded, full = _row_state(engine, word_tokenizer)
@@ -234,7 +241,7 @@ def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
         b = engine.answer(lean, build_press(spec, 0.5, 8, None, 1), encoded["questions_ids"], 6)[0]
         assert a == b, text
     # presses that read the hidden states get them, and a prefill without them refuses such a press
-    for text in ("snapkv", "chunkkv", "phase_aware"):  # phase_aware's default scorer is SnapKV's
+    for text in ("snapkv", "chunkkv", "phase_aware:scorer=snapkv", "chunked_stride:mode=select:scorer=snapkv"):
         assert "hidden_states" in press_reads(build_press(parse_press_spec(text), 0.5, 8, None, 0))
         with pytest.raises(ValueError, match="hidden_states"):
             engine.compressed_cache(lean, build_press(parse_press_spec(text), 0.5, 8, None, 0))
