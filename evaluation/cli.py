@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
         "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
-        "With no arguments: a quick sweep on the built-in model (about 45 seconds on 2 CPU cores)."))
+        "With no arguments: a quick sweep on the built-in model (about a minute on 2 CPU cores)."))
     ev.add_argument("--model", help="model name (builtin, chunked, smollm2; see `kvpress-phase list`), a .gguf file "
                                     "(converted once into the cache), a local model directory or a hub id (default: "
                                     "builtin); a registered name wins over a folder of that name, write ./NAME for "
