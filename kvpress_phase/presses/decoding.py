@@ -220,8 +220,9 @@ def compress_blocks(
 def _tail_scores(press, module, hidden_states, keys, values, kwargs) -> torch.Tensor:
     """The scorer's scores of the raw tail, from the hidden states and kwargs of the current step.
 
-    :class:`SnapKVScorer` (``PhaseAwarePress``'s default) has no window of context queries here: it scores the tail
-    by the current step's query (:meth:`SnapKVScorer.decoding_scores`)."""
+    :class:`SnapKVScorer` has no window of context queries here: it scores the tail by the current step's query
+    (:meth:`SnapKVScorer.decoding_scores`). Scorers of keys alone (``KeyDiffPress``, the presses' default, which
+    then compares the block's keys with the block's mean key; ``KnormPress``) work as they are."""
     if isinstance(press.scorer, SnapKVScorer) and kwargs and kwargs.get("position_embeddings") is not None:
         return SnapKVScorer.decoding_scores(module, hidden_states, keys, kwargs["position_embeddings"]).float()
     try:
@@ -229,8 +230,8 @@ def _tail_scores(press, module, hidden_states, keys, values, kwargs) -> torch.Te
     except (AssertionError, IndexError, RuntimeError, ValueError) as exc:
         raise ValueError(
             f"scorer={type(press.scorer).__name__} cannot score a block while decoding ({exc}). With decoding=True "
-            "the scorer sees only the current step's hidden states: use SnapKVScorer (PhaseAwarePress's default), a "
-            "scorer that scores keys alone (KnormPress) or mode='pool' with weighting='mean', which needs no scores."
+            "the scorer sees only the current step's hidden states: use a scorer that scores keys alone (KeyDiffPress, "
+            "the default, or KnormPress), SnapKVScorer, or mode='pool' with weighting='mean', which needs no scores."
         ) from exc
     return scores.float()
 
