@@ -77,16 +77,25 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
     stride = records[0]["stride"]
     phases = list(range(stride))
     colors = {}
+    # one colour per press: matplotlib's default cycle repeats after 10 lines, a sweep of every baseline has 14
+    n_lines = sum(r["press"] != "no_press" for r in records)
+    palette = plt.get_cmap("tab10" if n_lines <= 10 else "tab20")
+    markers = "osD^v<>ph*"
+    drawn = 0
     for r in records:
         acc = [float("nan") if x is None else x for x in r["per_phase"]]
         lo = [float("nan") if a is None else a for a, _ in r["per_phase_ci"]]
         hi = [float("nan") if b is None else b for _, b in r["per_phase_ci"]]
-        style = dict(linestyle="--", color="black") if r["press"] == "no_press" else {}
+        if r["press"] == "no_press":
+            style = dict(linestyle="--", color="black", marker="o")
+        else:
+            style = dict(color=palette(drawn % palette.N), marker=markers[drawn % len(markers)])
+            drawn += 1
         label = f"{r['press']} (mean {_fmt(r['mean'])}"
         if r["press"] != "no_press":
             label += f", p {_fmt_p(r['p_value'])}, gap {_fmt(r['gap_xfit'])} [{_fmt(r['gap_xfit_ci_low'])}, " \
                      f"{_fmt(r['gap_xfit_ci_high'])}]"
-        (line,) = ax.plot(phases, acc, marker="o", label=label + ")", **style)
+        (line,) = ax.plot(phases, acc, label=label + ")", **style)
         colors[r["press"]] = line.get_color()
         ax.fill_between(phases, lo, hi, alpha=0.15, color=line.get_color())
     for a in axes[:, 0]:
