@@ -4,7 +4,7 @@ Keys and values of shape (1, heads, N, head_dim) in float32. For every N, in one
 
 - ``copy``: ``keys.clone(); values.clone()``, the memory-bound limit;
 - ``chunked_select``, ``chunked_pool`` (and the other pool variants): ``ChunkedStridePress.compress``;
-- ``phase_aware``: ``PhaseAwarePress.compress`` with its defaults (content-adaptive budget, SnapKV scores);
+- ``phase_aware``: ``PhaseAwarePress.compress`` with its defaults (row budget, KeyDiff scores, leftovers dropped);
   ``phase_aware_window`` the earlier default (per-window grids aligned by key norm, staggered per head);
   ``phase_aware_row_*`` the content-adaptive budget with Knorm or SnapKV scores;
 - ``snapkv_scores``: ``SnapKVScorer().score`` alone, the share of ``phase_aware``'s time that is scoring;
