@@ -5,6 +5,24 @@ from __future__ import annotations
 
 import argparse
 
+MIN_BOOTSTRAP = 100
+"""Fewest bootstrap resamples ``--bootstrap`` accepts (``eval`` and ``report``)."""
+
+
+def int_at_least(minimum: int, name: str):
+    """The argparse ``type`` of an integer flag ``name`` that must be ``>= minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
 
 def csv_list(cast, name: str):
     """The argparse ``type`` of a comma-separated list flag ``name`` whose items are ``cast``: empty items are

@@ -3,7 +3,7 @@
     kvpress-phase eval            # quick phase sweep on the built-in model, both presses and the baselines
     kvpress-phase eval --tasks niah_single,qa_single_doc --strides 4,8,16 --compression-ratios 0.5,0.75
     kvpress-phase list            # task, press and built-in model names the flags accept
-    kvpress-phase train --recipe chunked --output-dir kvpress_phase/builtin_model_chunked   # press in the loop
+    kvpress-phase train --recipe chunked --output-dir outputs/models/chunked   # press in the loop
 
 Bad input exits with code 2 and a one-line message; `train --max-minutes` exits with code 3 when it pauses
 (rerun the same command to resume).
@@ -16,9 +16,10 @@ import contextlib
 import dataclasses
 import os
 import sys
+import warnings
 from typing import Optional
 
-from .arguments import csv_list, first_line, resolve_device
+from .arguments import MIN_BOOTSTRAP, csv_list, first_line, int_at_least, resolve_device
 from .presses import PRESS_DESCRIPTIONS
 from .runner import EvalConfig
 
@@ -46,8 +47,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+DESCRIPTION = ("Phase evaluation of chunked KV-cache compression for kvpress: how accuracy depends on where the\n"
+               "answer falls in the compression windows, for ChunkedStridePress, PhaseAwarePress and kvpress's\n"
+               "own presses.")
+EXAMPLES = """examples:
+  kvpress-phase eval      quick phase sweep on the built-in model (about a minute on 2 CPU cores)
+  kvpress-phase eval --tasks niah_single,qa_single_doc --strides 4,8,16 --compression-ratios 0.5,0.75 \\
+      --output-dir outputs/sweep
+  kvpress-phase report outputs/sweep outputs/phase-eval --output-dir outputs/merged
+  kvpress-phase list      task, press and model names the flags accept
+  kvpress-phase train --recipe chunked --output-dir outputs/models/chunked
+
+Run kvpress-phase COMMAND --help for the options of a command. Bad input exits with code 2 and a one-line
+message; train --max-minutes exits with code 3 when it pauses (rerun the same command to resume)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvpress-phase", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="kvpress-phase", description=DESCRIPTION, epilog=EXAMPLES,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="{eval,report,list,train}", parser_class=_Parser)
     sub.required = True
 
@@ -91,11 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run the kvpress baselines at the ratio that gives them exactly ChunkedStridePress's cache "
                          "length for each context (our presses protect n_sink + n_local tokens, so at one nominal "
                          "ratio they keep a few more entries); the nominal ratio still names the cell")
-    ev.add_argument("--compress-question", action="store_true",
-                    help="append the question to the context before compression and decode the answer after it "
-                         "(kvpress's evaluation calls this compress_questions), so presses that read the last "
-                         "prefill tokens see the question; results record setting=question_compressed (default: "
-                         "query-agnostic, the question appended after compression as kvpress's pipeline does)")
+    ev.add_argument("--query-aware", "--compress-question", dest="compress_question", action="store_true",
+                    help="query-aware compression: append the question to the context before compression and "
+                         "decode the answer after it (kvpress's evaluation calls this query_aware, formerly "
+                         "compress_questions), so presses that read the last prefill tokens see the question; "
+                         "results record setting=question_compressed (default: query-agnostic, the question "
+                         "appended after compression as kvpress's pipeline does)")
     ev.add_argument("--allow-duplicate-k", action="store_true",
                     help="run ratios that keep the same number of entries per window at a stride (refused by "
                          "default: it would run one configuration twice under two names)")
@@ -103,9 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compressed caches of one context decoded together (default: 16; 1 decodes each alone, "
                          "exactly as one pipeline call per press would; larger batches can change an answer at a "
                          "near-tie through float rounding, see BENCHMARKS.md)")
+    ev.add_argument("--step-by-step", action="store_true",
+                    help="decode every answer token by token over a growing cache (the reference path; slower) "
+                         "instead of checking the uncompressed answer as a draft in preallocated cache buffers")
     ev.add_argument("--no-diagnostics", action="store_true",
                     help="skip the needle-attention diagnostic (faster; accuracy is unchanged)")
-    ev.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CIs (default: 2000)")
+    ev.add_argument("--bootstrap", type=int_at_least(MIN_BOOTSTRAP, "--bootstrap"), default=2000,
+                    help=f"bootstrap resamples for the CIs, >= {MIN_BOOTSTRAP} (default: 2000)")
     ev.add_argument("--offload", choices=["none", "cpu"], default="none",
                     help="cpu: keep each context's recorded prefill in CPU memory instead of on the model's device, "
                          "for large models at long context; same results (default: none)")
@@ -117,16 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
                                     "report.md with the current statistics.")
     rp.add_argument("runs", nargs="+", help="output directories of `kvpress-phase eval`")
     rp.add_argument("--output-dir", required=True, help="where the merged report goes")
-    rp.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for fractional scores")
+    rp.add_argument("--bootstrap", type=int_at_least(MIN_BOOTSTRAP, "--bootstrap"), default=2000,
+                    help=f"bootstrap resamples for fractional scores, >= {MIN_BOOTSTRAP} (default: 2000)")
 
     sub.add_parser("list", help="list task, press and built-in model names",
                    description="List the task, press and built-in model names.")
 
+    from kvpress_phase.training.cli import DESCRIPTION as TRAIN_DESCRIPTION
+    from kvpress_phase.training.cli import EXAMPLES as TRAIN_EXAMPLES
     from kvpress_phase.training.cli import add_arguments as add_train_arguments
-    from kvpress_phase.training.finetune import __doc__ as train_doc
 
-    tr = sub.add_parser("train", help="fine-tune a model with a press in the loop", description=train_doc,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tr = sub.add_parser("train", help="fine-tune a model with a press in the loop", description=TRAIN_DESCRIPTION,
+                        epilog=TRAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(tr)
     return parser
 
@@ -141,7 +165,7 @@ def _cmd_list() -> int:
         print(f"  {name:<20} {spec.family:<9} {spec.description}")
     from .presses import parse_press_spec, reads_question
 
-    print("presses (Q: reads the question when it is compressed with the context, --compress-question):")
+    print("presses (Q: reads the question when it is compressed with the context, --query-aware):")
     for name, text in PRESS_DESCRIPTIONS.items():
         mark = "Q" if reads_question(parse_press_spec(name)) else " "
         print(f"  {name:<20} {mark} {text}")
@@ -175,6 +199,28 @@ def _resolve_device(text: str) -> str:
         raise UsageError(f"--{exc}") from None
 
 
+@contextlib.contextmanager
+def _shard_warnings():
+    """Each warning about a results shard (:class:`~.runner.ShardWarning`: unreadable lines, a torn last line cut
+    off) as one ``kvpress-phase: warning: ...`` line on stderr, once; other warnings are shown as before."""
+    from .runner import ShardWarning
+
+    shown = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", ShardWarning)
+        show_other = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not issubclass(category, ShardWarning):
+                return show_other(message, category, filename, lineno, file, line)
+            if str(message) not in shown:
+                shown.add(str(message))
+                print(f"kvpress-phase: warning: {message}", file=sys.stderr)
+
+        warnings.showwarning = show
+        yield
+
+
 def _check_output_dir(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
@@ -186,19 +232,14 @@ def _check_output_dir(path: str) -> None:
 
 def resolve_model_path(model: Optional[str], wheel: Optional[str] = None, progress: bool = True) -> str:
     """The local folder of ``model``: a registered name (None: the default built-in model; ``smollm2`` is fetched
-    and converted on first use), a ``.gguf`` file (converted once into the cache), or a folder or hub id as given.
-    Failures are :class:`UsageError` with one line."""
-    from kvpress_phase.builtin import BUILTIN_MODELS, builtin_model_path
-    from kvpress_phase.model_cache import gguf_model_path
+    and converted on first use), a ``.gguf`` file (converted once into the cache), a checked local folder, or a hub
+    id the hub holds (:func:`kvpress_phase.builtin.model_path`). Failures are :class:`UsageError` with one line."""
+    from kvpress_phase.builtin import model_path
 
     try:
-        if model is None or model in BUILTIN_MODELS:
-            return builtin_model_path(*([model] if model else []), wheel=wheel, progress=progress)
-        if model.endswith(".gguf"):
-            return gguf_model_path(model, progress=progress)
+        return model_path(model, wheel=wheel, progress=progress)
     except (FileNotFoundError, ValueError) as exc:  # ModelUnavailable and ConversionError are ValueErrors
         raise UsageError(first_line(exc)) from None
-    return model
 
 
 def load_model(model: Optional[str], device: str, dtype: str, wheel: Optional[str] = None):
@@ -236,32 +277,51 @@ def load_model(model: Optional[str], device: str, dtype: str, wheel: Optional[st
     return lm.to(device).eval(), tokenizer
 
 
+def _dtype_warning(dtype: str, device: str) -> Optional[str]:
+    """A warning when ``dtype`` is slow or unsupported on ``device`` (None otherwise)."""
+    import torch
+
+    if device == "cpu" and dtype != "float32":
+        return (f"--dtype {dtype} is slow on the CPU (its matrix products are poorly supported there); "
+                "--dtype float32 is faster")
+    if device.startswith("cuda") and dtype == "bfloat16" and not torch.cuda.is_bf16_supported(
+            including_emulation=False):
+        return f"--dtype bfloat16 is not supported natively by {device} (emulated, slow); use --dtype float16"
+    return None
+
+
 def _cmd_eval(args) -> int:
+    from kvpress_phase.builtin import DEFAULT_MODEL
+
     from .report import console_table, write_reports
     from .runner import run_evaluation
 
     if args.samples < 1:
         raise UsageError(f"--samples must be >= 1, got {args.samples}")
-    if args.bootstrap < 100:
-        raise UsageError(f"--bootstrap must be >= 100, got {args.bootstrap}")
     config = EvalConfig(
-        model=args.model, tasks=args.tasks, presses=args.presses, compression_ratios=args.compression_ratios,
+        model=args.model or DEFAULT_MODEL, tasks=args.tasks, presses=args.presses,  # the model used, recorded
+        compression_ratios=args.compression_ratios,
         strides=args.strides, windows=args.windows, phases=args.phases, protocol=args.protocol,
         context_lengths=args.context_lengths, samples=args.samples, seed=args.seed, dtype=args.dtype,
         diagnostics=not args.no_diagnostics, matched_cache=args.matched_cache,
         compress_question=args.compress_question, allow_duplicate_k=args.allow_duplicate_k,
-        decode_batch=args.decode_batch,
+        decode_batch=args.decode_batch, step_by_step=args.step_by_step,
     )
     try:
         config.validate()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     device = _resolve_device(args.device)
-    _check_output_dir(args.output_dir)
-    from .runner import distributed_state, output_lock
+    slow = _dtype_warning(args.dtype, device)
+    if slow:
+        print(f"kvpress-phase: warning: {slow}", file=sys.stderr)
+    from .runner import distributed_state, output_lock, removed_if_failed_empty
 
     rank, _, _ = distributed_state()
     with contextlib.ExitStack() as held:
+        held.enter_context(_shard_warnings())
+        held.enter_context(removed_if_failed_empty(args.output_dir, rank))  # a failure before any result: no trace
+        _check_output_dir(args.output_dir)
         try:  # one writer per output directory, from before the model loads until the reports are written
             held.enter_context(output_lock(args.output_dir, rank))
         except ValueError as exc:
@@ -289,10 +349,11 @@ def _cmd_report(args) -> int:
     from .runner import read_results
 
     frames = []
-    for run in args.runs:
-        if not os.path.isdir(os.path.join(run, "results")):
-            raise UsageError(f"{run!r} holds no results of `kvpress-phase eval` (no results/ folder)")
-        frames.append(read_results(run))
+    with _shard_warnings():
+        for run in args.runs:
+            if not os.path.isdir(os.path.join(run, "results")):
+                raise UsageError(f"{run!r} holds no results of `kvpress-phase eval` (no results/ folder)")
+            frames.append(read_results(run))  # read only: an unreadable line is skipped and named on stderr
     results = pd.concat(frames, ignore_index=True).drop_duplicates("key", keep="first")
     if results.empty:
         raise UsageError("the runs hold no results yet")

@@ -25,6 +25,7 @@ import copy
 from typing import Optional
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 Masks = Optional[dict]
 """Per recorded layer, ``(head_indices, seq_indices)`` of the masked entries of one cache, or None."""
@@ -123,29 +124,134 @@ class LayerMasks:
 
 @torch.inference_mode()
 def greedy_decode(model, tokenizer, caches: list, question_ids: torch.Tensor, context_length: int,
-                  max_new_tokens: int, masks: Optional[list] = None, probe=None) -> list[str]:
+                  max_new_tokens: int, masks: Optional[list] = None, probe=None, draft: Optional[list] = None,
+                  step_by_step: bool = False) -> list[str]:
     """Greedy answers to ``question_ids`` (``(1, q)``) over each cache of ``caches`` (batch 1 each, equal shapes).
 
     ``masks`` gives each cache's masked entries (:data:`Masks`), ``probe`` a context manager entered around the
-    question's forward (the diagnostic's :class:`~.diagnostics.AttentionProbe`). The caches themselves are not
-    modified.
+    question's forward (the diagnostic's :class:`~.diagnostics.AttentionProbe`), ``draft`` the token ids of an answer
+    to check instead of generating (:func:`decode_tokens`). The caches themselves are not modified.
     """
+    tokens = decode_tokens(model, caches, question_ids, context_length, max_new_tokens, masks=masks, probe=probe,
+                           draft=draft, step_by_step=step_by_step)
+    return [answer_text(tokenizer, row) for row in tokens]
+
+
+def answer_text(tokenizer, tokens: list) -> str:
+    """The answer string of generated ``tokens`` (special tokens, the end of the answer included, dropped)."""
+    return str(tokenizer.decode(torch.tensor(tokens, dtype=torch.long), skip_special_tokens=True))
+
+
+def stop_tokens(model) -> set:
+    stop = model.generation_config.eos_token_id
+    return set(stop if isinstance(stop, list) else [stop])
+
+
+@torch.inference_mode()
+def decode_tokens(model, caches: list, question_ids: torch.Tensor, context_length: int, max_new_tokens: int,
+                  masks: Optional[list] = None, probe=None, draft: Optional[list] = None,
+                  step_by_step: bool = False) -> list[list[int]]:
+    """The greedy answer tokens (up to and including the end-of-answer token) over each cache of ``caches``.
+
+    ``step_by_step=True`` is the reference: one forward for the question, then one per token over a
+    ``DynamicCache`` that grows by concatenation (every step copies every layer of every row). The default writes
+    the batch into buffers allocated once with room for the question and the answer (:class:`FilledLayer`), attends
+    with the KV heads shared inside the kernel (:data:`GQA_ATTENTION`), drops finished rows from the batch, and,
+    given a ``draft`` (the tokens of another answer to the same question, e.g.
+    the uncompressed cache's), checks the draft instead of generating it: one forward of the question followed by
+    the draft gives the greedy token after every prefix of the draft; a row keeps the draft up to its first token
+    that differs from its own greedy choice, takes its own token there, and decodes on step by step from that point.
+    Greedy decoding is deterministic, so the tokens are those of step-by-step decoding up to float rounding: the
+    longer forward adds the question's products in another order, which can change an argmax only at a near-tie
+    (``benchmarks/bench_eval.py`` counts identical answers; BENCHMARKS.md has the figures).
+    """
+    if step_by_step:
+        return _step_by_step(model, caches, question_ids, context_length, max_new_tokens, masks, probe)
+    with gqa_attention(model):
+        return _fast(model, caches, question_ids, context_length, max_new_tokens, masks, probe, draft)
+
+
+def _fast(model, caches, question_ids, context_length, max_new_tokens, masks, probe, draft) -> list[list[int]]:
+    stop = stop_tokens(model)
+    device = model.device
+    n = len(caches)
+    draft = list(draft[:max_new_tokens]) if draft else []
+    question = question_ids.to(device)
+    q = question.shape[1]
+    cache, masks = filled_cache(caches, masks, room=q + max(len(draft), 1) + max_new_tokens)
+    base = cache.layers[0].filled
+    fed = torch.cat([question, torch.tensor([draft[:-1]], dtype=torch.long, device=device)], dim=1) \
+        if len(draft) > 1 else question
+    positions = torch.arange(context_length, context_length + fed.shape[1], device=device)[None]
+    if probe is not None:  # the diagnostic reads the question's last token, not the draft's
+        probe.trailing = fed.shape[1] - q
+    with _masked(model, cache, masks):
+        with probe if probe is not None else _null():
+            logits = model(input_ids=fed.expand(n, -1), past_key_values=cache, position_ids=positions,
+                           logits_to_keep=max(len(draft), 1)).logits
+    choices = logits.argmax(dim=-1).tolist()  # row r's greedy token after the question and draft[:j]: choices[r][j]
+    out: list = [None] * n
+    resume: dict[int, list] = {}  # accepted draft length -> rows that go on decoding from there
+    for r in range(n):
+        accepted = 0
+        while accepted < len(draft) - 1 and choices[r][accepted] == draft[accepted] and draft[accepted] not in stop:
+            accepted += 1
+        tokens = draft[:accepted] + [choices[r][accepted]]
+        out[r] = tokens
+        if tokens[-1] not in stop and len(tokens) < max_new_tokens:
+            resume.setdefault(accepted, []).append(r)
+    for accepted, rows in resume.items():
+        group = cache if len(resume) == 1 and len(rows) == n else _select(cache, rows)
+        for layer in group.layers:
+            layer.crop(base + q + accepted)
+        group_masks = [masks[r] for r in rows]
+        first = torch.tensor([out[r][-1] for r in rows], device=device)
+        _continue(model, group, group_masks, rows, first, context_length + q + accepted, out, max_new_tokens, stop)
+    return out
+
+
+def _continue(model, cache, masks, rows, new, position, out, max_new_tokens, stop) -> None:
+    """Decode on from the last token of each row (``new``) at ``position``, one token per forward, appending to
+    ``out[rows[i]]``; finished rows leave the batch."""
+    rows = list(rows)
+    while rows:
+        with _masked(model, cache, masks):
+            logits = model(input_ids=new[:, None], past_key_values=cache,
+                           position_ids=torch.tensor([[position]], device=new.device)).logits
+        position += 1
+        new = logits[:, -1].argmax(dim=-1)
+        going = []
+        for i, (r, t) in enumerate(zip(rows, new.tolist())):
+            out[r].append(t)
+            if t not in stop and len(out[r]) < max_new_tokens:
+                going.append(i)
+        if len(going) < len(rows):
+            if not going:
+                return
+            cache = _select(cache, going)
+            masks = [masks[i] for i in going]
+            rows = [rows[i] for i in going]
+            new = new[going]
+
+
+def _step_by_step(model, caches, question_ids, context_length, max_new_tokens, masks, probe) -> list[list[int]]:
+    """The reference decoding: a question forward, then one forward per token for the whole batch over a
+    ``DynamicCache`` that grows by concatenation, until every row has ended (the pipeline's ``generate_answer`` for
+    a batch of one)."""
     device = model.device
     n = len(caches)
     if n > 1 or uneven(caches[0]):
         cache, masks = batched_cache(caches, masks)
     else:
         cache = _copied(caches[0])
-    masked = LayerMasks(model, cache, masks) if masks and any(m is not None for m in masks) else _null()
-    with masked:
+    stop = stop_tokens(model)
+    with _masked(model, cache, masks):
         ids = question_ids.to(device)
         position_ids = torch.arange(context_length, context_length + ids.shape[1], device=device).unsqueeze(0)
         with probe if probe is not None else _null():
             outputs = model(input_ids=ids.expand(n, -1), past_key_values=cache, position_ids=position_ids,
                             logits_to_keep=1)
         position_ids = position_ids[:, -1:] + 1
-        stop = model.generation_config.eos_token_id
-        stop = set(stop if isinstance(stop, list) else [stop])
         new = outputs.logits[:, -1].argmax(dim=-1)
         generated = [new]
         done = torch.tensor([int(t) in stop for t in new.tolist()])
@@ -156,15 +262,142 @@ def greedy_decode(model, tokenizer, caches: list, question_ids: torch.Tensor, co
             new = outputs.logits[:, -1].argmax(dim=-1)
             generated.append(new)
             done |= torch.tensor([int(t) in stop for t in new.tolist()])
-    tokens = torch.stack(generated, dim=1).tolist()
-    answers = []
-    for row in tokens:
+    out = []
+    for row in torch.stack(generated, dim=1).tolist():
         for j, t in enumerate(row):
             if t in stop:
                 row = row[: j + 1]
                 break
-        answers.append(str(tokenizer.decode(torch.tensor(row), skip_special_tokens=True)))
-    return answers
+        out.append(row)
+    return out
+
+
+class FilledLayer(DynamicLayer):
+    """A cache layer held in buffers allocated once, with room to grow: :meth:`update` writes the new tokens in place
+    and ``keys``/``values`` are views of the filled part. (transformers' ``DynamicLayer`` concatenates, copying the
+    whole layer at every decoding step.)"""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int):
+        super().__init__()
+        self.buffers = (keys, values)
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self._set(filled)
+
+    def _set(self, filled: int) -> None:
+        self.filled = filled
+        self.keys = self.buffers[0][:, :, :filled]
+        self.values = self.buffers[1][:, :, :filled]
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        end = self.filled + key_states.shape[-2]
+        if end > self.buffers[0].shape[2]:
+            raise ValueError(f"FilledLayer: {end} entries exceed the room allocated ({self.buffers[0].shape[2]})")
+        self.buffers[0][:, :, self.filled:end] = key_states
+        self.buffers[1][:, :, self.filled:end] = value_states
+        self._set(end)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.filled
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.filled + max_length
+        self._set(min(self.filled, max_length))
+
+    def batch_select_indices(self, indices) -> None:
+        self.buffers = tuple(b[indices] for b in self.buffers)
+        self._set(self.filled)
+
+
+def filled_cache(caches: list, masks: Optional[list], room: int):
+    """One cache of :class:`FilledLayer` whose batch rows are ``caches`` (batch 1 each, equal shapes per layer), with
+    ``room`` free entries per layer, and the rows' masks. Layers shorter than the longest are padded with masked
+    entries, as in :func:`batched_cache`."""
+    masks = list(masks) if masks is not None else [None] * len(caches)
+    longest = max(layer.keys.shape[2] for layer in caches[0].layers)
+    out = copy.copy(caches[0])
+    out.layers = []
+    for i, layer in enumerate(caches[0].layers):
+        batch, heads, n, dim = layer.keys.shape
+        keys = layer.keys.new_zeros(len(caches), heads, longest + room, dim)
+        values = layer.values.new_zeros(len(caches), heads, longest + room, layer.values.shape[-1])
+        for row, c in enumerate(caches):
+            keys[row, :, :n] = c.layers[i].keys[0]
+            values[row, :, :n] = c.layers[i].values[0]
+        if n < longest:
+            h = torch.arange(heads).repeat_interleave(longest - n)
+            p = torch.arange(n, longest).repeat(heads)
+            for row in range(len(caches)):
+                own = dict(masks[row] or {})
+                own[i] = (torch.cat([own[i][0], h]), torch.cat([own[i][1], p])) if i in own else (h, p)
+                masks[row] = own
+        out.layers.append(FilledLayer(keys, values, longest))
+    return out, masks
+
+
+def _select(cache, rows: list):
+    """A cache holding only the batch ``rows`` of ``cache`` (new buffers)."""
+    out = copy.copy(cache)
+    index = torch.tensor(rows, device=cache.layers[0].keys.device)
+    out.layers = []
+    for layer in cache.layers:
+        new = FilledLayer(*layer.buffers, layer.filled)
+        new.batch_select_indices(index)
+        out.layers.append(new)
+    return out
+
+
+GQA_ATTENTION = "kvpress_phase_sdpa_gqa"
+"""An attention implementation registered with transformers: its SDPA, with the KV heads shared by their query
+heads inside the kernel (``enable_gqa``) also when there is a mask. transformers' own SDPA function repeats every
+layer's keys and values once per query head whenever a mask is given (a question's forward over a cache, every step
+under :class:`LayerMasks`): on SmolLM2 (3 KV heads, 9 query heads) that copy was more than half of a question's
+forward. The arithmetic per head is the same."""
+
+
+def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is None or query.device.type != "cpu":  # transformers' path (GQA in the kernel without a mask)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_gqa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_ATTENTION, _sdpa_gqa)
+    AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)
+
+
+class gqa_attention:
+    """Context manager: a model that attends with transformers' SDPA attends with :data:`GQA_ATTENTION` meanwhile
+    (through ``set_attn_implementation``, transformers' way of choosing an attention function); other
+    implementations are left as they are."""
+
+    def __init__(self, model):
+        self.model = model
+        self.active = getattr(model.config, "_attn_implementation", None) == "sdpa"
+
+    def __enter__(self):
+        if self.active:
+            _register_gqa()
+            self.model.set_attn_implementation(GQA_ATTENTION)
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            self.model.set_attn_implementation("sdpa")
+        return False
+
+
+def _masked(model, cache, masks):
+    return LayerMasks(model, cache, masks) if masks and any(m is not None for m in masks) else _null()
 
 
 def _copied(cache):

@@ -91,8 +91,12 @@ class AttentionProbe:
     ``layers`` maps layer index to a tuple whose first item is the layer's attention module (``Prefill.inputs``).
     ``rows[layer_idx]`` receives a ``(batch, heads, cache_entries + query_len)`` tensor: the attention weights of
     the forward's last query token over the layer's whole cache, computed as eager attention computes them. Only
-    the first forward after entering is recorded (the question's, when it wraps ``generate_answer``).
+    the first forward after entering is recorded (the question's, when it wraps ``generate_answer``). When that
+    forward feeds ``trailing`` tokens after the question (a draft checked with the question,
+    :func:`.decoding.decode_tokens`), the row is the question's last token's, over the entries it attends to.
     """
+
+    trailing = 0
 
     def __init__(self, model, layers: dict, rows: dict):
         self.model = model
@@ -119,8 +123,11 @@ class AttentionProbe:
             return
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cos, sin = kwargs["position_embeddings"]
-        query = _rotate(get_prerope_query_states(module, hidden[:, -1:]), cos[:, -1:], sin[:, -1:])
+        last = hidden.shape[1] - 1 - self.trailing  # the question's last token in this forward
+        at = slice(last, last + 1)
+        query = _rotate(get_prerope_query_states(module, hidden[:, at]), cos[:, at], sin[:, at])
         keys = kwargs["past_key_values"].layers[layer_idx].keys  # the cache after this step's update
+        keys = keys[:, :, : keys.shape[2] - self.trailing]
         batch, heads, _, dim = query.shape
         kv_heads = keys.shape[1]
         # query heads grouped by the KV head they share, instead of repeating the keys for every query head
@@ -131,8 +138,8 @@ class AttentionProbe:
             logits = torch.tanh(logits / softcap) * softcap
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # masked entries (decoding.LayerMasks), padding
-            last = mask[:, :, -1, -logits.shape[-1]:].expand(batch, heads, -1)
-            logits = logits.masked_fill(~last, float("-inf")) if last.dtype == torch.bool else logits + last
+            row = mask[:, :, last, : mask.shape[-1] - self.trailing][..., -logits.shape[-1]:].expand(batch, heads, -1)
+            logits = logits.masked_fill(~row, float("-inf")) if row.dtype == torch.bool else logits + row
         self.rows[layer_idx] = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
         if all(idx in self.rows for idx in self.modules):  # done: the decoding steps run without hooks
             self.__exit__()

@@ -95,29 +95,6 @@ def parse_press_spec(text: str) -> PressSpec:
     return spec
 
 
-SCORERS = {
-    "knorm": "KnormPress",
-    "snapkv": "kvpress_phase.presses.scorers.SnapKVScorer",
-    "expected_attention": "ExpectedAttentionPress",
-    "tova": "TOVAPress",
-    "keydiff": "KeyDiffPress",
-    "random": "RandomPress",
-    "kvzip": "kvpress_phase.presses.scorers.KVzipScorer",
-}
-"""Scorers our presses accept by name in a spec (``phase_aware:scorer=snapkv``): kvpress's, and for ``snapkv`` its
-partial-rotary-safe version :class:`~kvpress_phase.presses.scorers.SnapKVScorer` (same scores otherwise)."""
-
-
-def scorer_from_name(name: str):
-    """A fresh kvpress ``ScorerPress`` for a name of :data:`SCORERS`; ValueError listing the names otherwise."""
-    import importlib
-
-    if name not in SCORERS:
-        raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(SCORERS)}")
-    module, _, cls = SCORERS[name].rpartition(".")
-    return getattr(importlib.import_module(module or "kvpress"), cls)()
-
-
 def matched_ratio(context_length: int, stride: int, compression_ratio: float) -> float:
     """The compression ratio at which a kvpress scorer press keeps exactly as many entries as
     ``ChunkedStridePress(compression_ratio, stride=stride)`` (default ``n_sink`` and ``n_local``) does for
@@ -145,9 +122,7 @@ def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: 
 
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
 
-    options = dict(spec.options)
-    if isinstance(options.get("scorer"), str):
-        options["scorer"] = scorer_from_name(options["scorer"])
+    options = dict(spec.options)  # our presses build a scorer= name from kvpress_phase.presses.scorers.SCORERS
     base_ratio = compression_ratio
     if matched_context_length is not None and spec.name not in OUR_PRESSES and compression_ratio > 0:
         base_ratio = matched_ratio(matched_context_length, stride, compression_ratio)

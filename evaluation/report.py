@@ -22,8 +22,9 @@ import pandas as pd
 from .metrics import summarize
 
 
-SETTING_LABELS = {"query_agnostic": "agnostic", "question_compressed": "question"}
-"""Short labels of the ``setting`` column in tables."""
+SETTING_LABELS = {"query_agnostic": "query-agnostic", "question_compressed": "query-aware"}
+"""Labels of the ``setting`` column in tables (the stored values stay ``query_agnostic`` and ``question_compressed``;
+``query-aware`` is kvpress's name for compressing the question with the context, formerly ``compress_questions``)."""
 
 
 def _fmt(x, digits=2) -> str:
@@ -153,7 +154,8 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
         achieved = group[0].get("window_ratio")
         asked = f"compression ratio {ratio:g}" + (f" (per window {achieved:.3g})" if achieved is not None
                                                    and abs(achieved - ratio) > 1e-9 else "")
-        where = "question compressed with the context" if setting == "question_compressed" else "query-agnostic"
+        where = "query-aware (question compressed with the context)" if setting == "question_compressed" \
+            else "query-agnostic"
         plot_group(control + group, os.path.join(output_dir, name),
                    f"{task}, {length} tokens, stride {stride}, {asked}, {protocol} protocol, {where}")
         plots.append((name, task, length, stride, ratio, f"{protocol}, {where}"))
@@ -172,8 +174,9 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
         "biased upward (a description of the sample, not evidence). `boundary` = phase S-1, reported apart. "
         "`no_press` is the uncompressed control on the same prompts. `ratio` is the compression ratio asked for, "
         "`achieved` the fraction of the whole cache removed (protected sink and recent tokens included; our presses' "
-        "per-window ratio is `1 - k/S`, with k from the rounding rule). `setting`: `agnostic` = the question is "
-        "appended after compression (kvpress's pipeline), `question` = compressed with the context. `by depth` = "
+        "per-window ratio is `1 - k/S`, with k from the rounding rule). `setting`: `query-agnostic` = the question "
+        "is appended after compression (kvpress's pipeline), `query-aware` = the question is compressed with the "
+        "context (`--query-aware`, kvpress's `query_aware`). `by depth` = "
         "accuracy in five equal bins of the needle's depth in the context, start to end.",
         "",
     ]

@@ -16,11 +16,15 @@ first decoding step (:class:`~.diagnostics.AttentionProbe`).
 
 Results are appended to ``<output_dir>/results/results-rank<r>.jsonl`` one example at a time, with the run's full
 config in ``<output_dir>/config.json``. A run restarted with the same arguments skips the examples already in the
-shards (a torn last line from a crash is discarded), so nothing is lost or duplicated. One process writes each shard:
-a run holds an operating-system lock on ``<output_dir>/.kvpress-phase-rank<r>.lock`` (:func:`output_lock`) and a
-second run into the same directory is refused; the lock dies with its process, so a killed run never blocks a
-resume. Under ``accelerate launch`` or ``torchrun`` every rank takes every ``world_size``-th work unit and writes its
-own shard; rank 0 merges the shards in a deterministic order once all ranks are done.
+shards, so nothing is lost or duplicated: a torn last line (a write cut short, no newline) is moved to
+``results-rank<r>.jsonl.cut`` and its example run again, and any other unreadable line is skipped with a warning
+naming the file and line but left in place (:func:`_read_shard`). Reading results (:func:`read_results`,
+``kvpress-phase report``) never changes a shard. One process writes each shard: a run holds an operating-system
+lock on ``<output_dir>/.kvpress-phase-rank<r>.lock`` (:func:`output_lock`) and a second run into the same directory
+is refused; the lock dies with its process, so a killed run never blocks a resume. A command that fails before
+writing any result (a model that cannot be loaded) removes what it created there (:func:`removed_if_failed_empty`).
+Under ``accelerate launch`` or ``torchrun`` every rank takes every ``world_size``-th work unit and writes its own
+shard; rank 0 merges the shards in a deterministic order once all ranks are done.
 """
 
 from __future__ import annotations
@@ -41,12 +45,13 @@ from kvpress import BasePress, KVPressTextGenerationPipeline
 
 from .presses import PHASE_GRID_PRESSES, PressSpec, build_press, parse_press_spec
 from .prompting import check_tokenizer
-from .tasks import PROTOCOLS, generate, get_task, score
+from .tasks import PROTOCOLS, check_context_length, generate, get_task, score
 
 RESULTS_DIR = "results"
 SETTINGS = {False: "query_agnostic", True: "question_compressed"}
 """The ``setting`` column: the question appended after compression (kvpress's pipeline, query-agnostic) or
-compressed with the context (``--compress-question``)."""
+compressed with the context (query-aware: ``--query-aware``, formerly ``--compress-question``). The stored values
+stay as they are; reports label them query-agnostic and query-aware."""
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -71,20 +76,28 @@ class EvalConfig:
     compress_question: bool = False
     allow_duplicate_k: bool = False
     decode_batch: int = 16
+    step_by_step: bool = False
 
     def validate(self) -> None:
         for name in self.tasks:
             get_task(name)
-        for spec in self.presses:
-            parse_press_spec(spec)
+        labels = [parse_press_spec(spec).label for spec in self.presses]
         if not self.tasks or not self.presses:
             raise ValueError("tasks and presses must not be empty")
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise ValueError(f"presses lists {label!r} twice: give each press once")
         for r in self.compression_ratios:
             if not 0 <= r < 1:
                 raise ValueError(f"compression ratio must be in [0, 1), got {r}")
+        positive = [r for r in self.compression_ratios if r > 0]
         for s in self.strides:
             if s < 1:
                 raise ValueError(f"stride must be >= 1, got {s}")
+            if s == 1 and positive and labels != ["no_press"]:
+                raise ValueError(f"stride 1 cannot run compression ratio {positive[0]:g}: a stride of 1 makes "
+                                 "one-token windows and each keeps its token, so nothing would be compressed; use "
+                                 "strides of 2 or more")
         for w in self.windows or []:
             if w < min(self.strides):
                 raise ValueError(f"window must be >= stride, got window {w} with strides {self.strides}")
@@ -94,8 +107,7 @@ class EvalConfig:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         for n in self.context_lengths:
-            if n < 16:
-                raise ValueError(f"context length must be >= 16 tokens, got {n}")
+            check_context_length(n, max(self.strides, default=1))
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -114,8 +126,17 @@ class EvalConfig:
                 values.pop(name)
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
+    def resumes(self, fingerprint: Optional[str]) -> bool:
+        """Whether results saved under ``fingerprint`` are this configuration's: its own fingerprint, or, on the
+        default model, that of a run saved before the command recorded the default model's name (model null)."""
+        from kvpress_phase.builtin import DEFAULT_MODEL
 
-_LATER_FIELDS = {"compress_question": False, "allow_duplicate_k": False, "decode_batch": 16}
+        if fingerprint == self.fingerprint():
+            return True
+        return self.model == DEFAULT_MODEL and fingerprint == dataclasses.replace(self, model=None).fingerprint()
+
+
+_LATER_FIELDS = {"compress_question": False, "allow_duplicate_k": False, "decode_batch": 16, "step_by_step": False}
 
 
 def duplicate_k(ratios, strides) -> Optional[str]:
@@ -243,15 +264,17 @@ class ReplayEngine:
 
     ``offload="cpu"`` keeps the recorded tensors on the CPU: the model's device then holds, besides the weights, one
     layer's uncompressed keys and values at a time and the compressed cache being decoded (see the README's memory
-    section).
+    section). ``step_by_step=True`` decodes every answer token by token over a growing ``DynamicCache`` (the
+    reference path of :func:`.decoding.decode_tokens`) instead of checking drafts in cache buffers allocated once.
     """
 
-    def __init__(self, model, tokenizer, offload: Optional[str] = None):
+    def __init__(self, model, tokenizer, offload: Optional[str] = None, step_by_step: bool = False):
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.offload = offload
+        self.step_by_step = step_by_step
         self.pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=model.device)
 
     def encode(self, context: str, questions: list[str], answer_prefix: str = ""):
@@ -358,12 +381,13 @@ class ReplayEngine:
         Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
         attends to), ``masses`` (one per needle, or None).
         """
-        from .decoding import cache_signature, greedy_decode
+        from .decoding import answer_text, cache_signature, decode_tokens
         from .diagnostics import AttentionProbe, needle_mass
 
         out: list = [None] * len(presses)
         # fingerprint -> (prediction, rows), kept with the prefill for every question asked of it
-        decoded = state.memo.setdefault(("decoded", tuple(question_ids[0].tolist()), max_new_tokens, bool(needles)), {})
+        question_key = (tuple(question_ids[0].tolist()), max_new_tokens)
+        decoded = state.memo.setdefault(("decoded", *question_key, bool(needles)), {})
         q_len = question_ids.shape[1]
         order = sorted(range(len(presses)), key=lambda i: _press_sort_key(presses[i]))
         for start in range(0, len(order), batch_size):
@@ -382,9 +406,13 @@ class ReplayEngine:
             for members in groups.values():
                 rows = {} if needles else None
                 probe = AttentionProbe(self.model, state.inputs, rows) if needles else None
-                answers = greedy_decode(self.model, self.tokenizer, [built[i][0] for i in members],
-                                        question_ids, state.context_length, max_new_tokens,
-                                        masks=[built[i][1] for i in members], probe=probe)
+                # the first answer to this question (the uncompressed one, which sorts first) drafts the others
+                draft = state.memo.get(("draft", *question_key))
+                tokens = decode_tokens(self.model, [built[i][0] for i in members], question_ids,
+                                       state.context_length, max_new_tokens, masks=[built[i][1] for i in members],
+                                       probe=probe, draft=draft, step_by_step=self.step_by_step)
+                if draft is None:
+                    state.memo[("draft", *question_key)] = tokens[0]
                 for j, i in enumerate(members):
                     own = None
                     if rows is not None:  # this row's attention, without the padding of shorter layers
@@ -393,7 +421,7 @@ class ReplayEngine:
                         for layer, r in rows.items():
                             n = cache.layers[layer].keys.shape[2]
                             own[layer] = torch.cat([r[j:j + 1, :, :n], r[j:j + 1, :, r.shape[-1] - q_len:]], dim=-1)
-                    decoded[built[i][2]] = (answers[j], own)
+                    decoded[built[i][2]] = (answer_text(self.tokenizer, tokens[j]), own)
             for i in chunk:
                 cache, masks, fp = built[i]
                 prediction, rows = decoded[fp]
@@ -549,24 +577,62 @@ def _press_sort_key(press) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------------ shards
-def _read_shard(path: str) -> list[dict]:
-    """Records of a JSONL shard; a torn last line (interrupted write) is cut off the file."""
+class ShardWarning(UserWarning):
+    """Lines of a results shard that hold no record (skipped), or a torn last line cut off by a resume."""
+
+
+def _parse_record(raw: bytes) -> Optional[dict]:
+    """The record on one shard line: a JSON object with a ``key``; None for anything else."""
+    try:
+        record = json.loads(raw)
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("key"), str) else None
+
+
+def _read_shard(path: str, *, resume: bool = False) -> list[dict]:
+    """The records of a JSONL shard: every line that holds a JSON object with a ``key``.
+
+    Any other line (not JSON, not an object, no key) is skipped, and the file's skipped lines are named by path
+    and line number in one :class:`ShardWarning`; every valid record before and after them is used. Blank lines are
+    ignored. Only the last line can lack its newline (a write cut short by a crash, or a copy cut at some byte):
+
+    - ``resume=False`` (reading, as ``read_results`` and ``kvpress-phase report`` do) never changes the file: such a
+      last line is a record when it holds a complete JSON object with a key, and skipped (and named) otherwise.
+    - ``resume=True`` (a run resuming into its own shard, under the shard's lock) treats such a line as a torn
+      write whatever it holds: it is cut off the file and appended to ``<path>.cut`` (a warning says so), and its
+      example is computed again. This is the only change ever made to a shard: other unreadable lines stay where
+      they are, and the shard ends with a newline, so the records appended next start on a line of their own.
+    """
     if not os.path.exists(path):
         return []
-    records, good_bytes = [], 0
+    records, skipped, torn, size = [], [], None, 0
     with open(path, "rb") as fh:
-        for raw in fh:
-            try:
-                records.append(json.loads(raw))
-            except json.JSONDecodeError:
+        for number, raw in enumerate(fh, 1):
+            if resume and not raw.endswith(b"\n"):
+                torn = number, raw
                 break
-            if not raw.endswith(b"\n"):
-                records.pop()
-                break
-            good_bytes += len(raw)
-    if good_bytes != os.path.getsize(path):
+            size += len(raw)
+            record = _parse_record(raw)
+            if record is not None:
+                records.append(record)
+            elif raw.strip():
+                last = "" if raw.endswith(b"\n") else ": the last, with no newline, a write cut short or under way"
+                skipped.append(f"{number}{last}")
+    if torn is not None:
+        number, raw = torn
+        with open(path + ".cut", "ab") as cut:  # kept, never lost: appended to what earlier resumes cut
+            cut.write(raw + b"\n")
         with open(path, "r+b") as fh:
-            fh.truncate(good_bytes)
+            fh.truncate(size)
+        warnings.warn(f"{path}: line {number} is a torn write (no newline at the end of the file); moved to "
+                      f"{path}.cut, its example is run again", ShardWarning, stacklevel=2)
+    if skipped:
+        named = ", ".join(skipped[:20])
+        named += f" and {len(skipped) - 20} more" if len(skipped) > 20 else ""
+        lines = "lines" if len(skipped) > 1 else "line"
+        warnings.warn(f"{path}: skipped {len(skipped)} unreadable {lines} ({lines} {named}); the file is left as it is",
+                      ShardWarning, stacklevel=2)
     return records
 
 
@@ -579,7 +645,11 @@ def record_key(record: dict) -> str:
 
 
 def read_results(output_dir: str) -> pd.DataFrame:
-    """All shards of a run, deduplicated by example key and sorted deterministically."""
+    """All shards of a run, deduplicated by example key and sorted deterministically.
+
+    Read only: the shards are never changed. A line that holds no record is skipped with a :class:`ShardWarning`
+    naming the file and line (see :func:`_read_shard` for the rule on a last line without a newline).
+    """
     folder = os.path.join(output_dir, RESULTS_DIR)
     records = []
     if os.path.isdir(folder):
@@ -640,6 +710,37 @@ def output_lock(output_dir: str, rank: int = 0):
         if held[1] == 0:
             del _HELD_LOCKS[path]
             held[0].release()
+
+
+@contextlib.contextmanager
+def removed_if_failed_empty(output_dir: str, rank: int = 0):
+    """Undo what a failed run created in ``output_dir`` when it wrote no result (e.g. a model that fails to load).
+
+    Entered before anything is created. When the block raises and no file in ``results/`` holds data, the shard's
+    lock file, ``config.json`` (rank 0), an empty shard, ``results/``, ``output_dir`` and the parent folders made for
+    it are removed, each only if it was not there when the block was entered and a folder only when empty. The
+    removal holds the shard's lock; when another run holds it, nothing is removed.
+    """
+    results = os.path.join(output_dir, RESULTS_DIR)
+    ours = [os.path.join(results, f"results-rank{rank}.jsonl"), lock_path(output_dir, rank)]
+    ours += [os.path.join(output_dir, "config.json")] if rank == 0 else []
+    ours += [results, output_dir]  # folders last, after the files in them, and the parents made for output_dir
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    while not os.path.lexists(parent):
+        ours.append(parent)
+        parent = os.path.dirname(parent)
+    created = [path for path in ours if not os.path.lexists(path)]
+    try:
+        yield
+    except BaseException:
+        wrote = os.path.isdir(results) and any(os.path.getsize(os.path.join(results, name))
+                                               for name in os.listdir(results))
+        if created and not wrote:
+            with contextlib.suppress(OutputDirInUse, OSError), output_lock(output_dir, rank):
+                for path in created:
+                    with contextlib.suppress(OSError):  # a folder that is not empty stays
+                        os.rmdir(path) if os.path.isdir(path) else os.remove(path)
+        raise
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -751,7 +852,7 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
     if os.path.exists(config_path):
         with open(config_path) as fh:
             previous = json.load(fh)
-        if previous.get("fingerprint") != saved["fingerprint"]:
+        if not config.resumes(previous.get("fingerprint")):
             raise ValueError(
                 f"output directory {output_dir!r} holds results of a different configuration; "
                 "use another --output-dir or the same arguments to resume"
@@ -761,12 +862,12 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
             json.dump(saved, fh, indent=2)
 
     shard_path = os.path.join(output_dir, RESULTS_DIR, f"results-rank{rank}.jsonl")
-    done = {r["key"] for r in _read_shard(shard_path)}
+    done = {r["key"] for r in _read_shard(shard_path, resume=True)}  # cuts a torn last line into <shard>.cut
     units = plan_units(config, tokenizer)
     if config.protocol == "offset":  # the same text at every stride: the strides of a sample share one prefill
         units = sorted(units, key=lambda u: (u.task, u.context_length, u.sample_id))
     units = units[rank::world]
-    engine = ReplayEngine(model, tokenizer, offload=offload)
+    engine = ReplayEngine(model, tokenizer, offload=offload, step_by_step=config.step_by_step)
     todo = [(u, v) for u in units for v in [variants(config, u.stride)]]
     bar = tqdm(total=sum(len(u.rows) * len(v) for u, v in todo), disable=not progress or rank != 0,
                desc="phase eval", unit="answer", initial=0)

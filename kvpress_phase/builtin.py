@@ -94,6 +94,92 @@ def builtin_model_path(name: str = DEFAULT_MODEL, wheel: Optional[str] = None, p
     return model.path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+"""Files of which a model folder needs one for transformers to build its tokenizer."""
+
+HUB_CHECK_TIMEOUT = 5.0
+"""Seconds the one request that asks the hub whether a model exists may take (no retries)."""
+
+
+def model_path(model: Optional[str] = None, wheel: Optional[str] = None, progress: bool = True) -> str:
+    """What transformers loads for ``model``: the folder of a registered name (None: the default one; ``smollm2`` is
+    fetched and converted on first use, see :func:`builtin_model_path`), the cached conversion of a ``.gguf`` file,
+    a local model folder (checked: :func:`check_model_folder`), or a hub id that the hub (or, offline, its local
+    cache) holds. A registered name wins over a folder of that name.
+
+    ValueError with one line for anything else: an unknown name names the registered models, then what the hub
+    said; the hub is asked once, with a short timeout and no retries, and not at all when ``HF_HUB_OFFLINE`` is set.
+    ``FileNotFoundError`` for a built-in model that is not built.
+    """
+    from kvpress_phase.model_cache import gguf_model_path
+
+    if model is None or model in BUILTIN_MODELS:
+        return builtin_model_path(model or DEFAULT_MODEL, wheel=wheel, progress=progress)
+    if model.endswith(".gguf"):
+        return gguf_model_path(model, progress=progress)
+    if os.path.isdir(model):
+        check_model_folder(model)
+        return model
+    if os.path.exists(model):
+        raise ValueError(f"model {model!r} cannot be loaded: it is a file, neither a model folder nor a .gguf file")
+    problem = _hub_problem(model)
+    if problem:
+        names = ", ".join(BUILTIN_MODELS)
+        raise ValueError(f"model {model!r} cannot be loaded: it is not a registered model ({names}; see "
+                         f"`kvpress-phase list`) nor an existing folder or file; {problem}")
+    return model
+
+
+def check_model_folder(folder: str) -> None:
+    """ValueError naming everything a local model folder lacks for transformers: ``config.json``, tokenizer files
+    (:data:`TOKENIZER_FILES`), weights (``*.safetensors`` or ``*.bin``)."""
+    try:
+        names = set(os.listdir(folder))
+    except OSError as exc:
+        raise ValueError(f"model folder {folder!r} cannot be read: {exc.strerror}") from None
+    missing = []
+    if not names & {"config.json", "adapter_config.json"}:
+        missing.append("no config.json")
+    if not names & set(TOKENIZER_FILES):
+        missing.append(f"no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    if not any(name.endswith((".safetensors", ".bin")) for name in names):
+        missing.append("no weights (*.safetensors or *.bin)")
+    if missing:
+        raise ValueError(f"model folder {folder!r} cannot be loaded: it has {', '.join(missing)}")
+
+
+def _hub_problem(name: str) -> Optional[str]:
+    """Why the hub id ``name`` cannot be loaded (ends a sentence), or None when the hub or its cache has it."""
+    import httpx
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, is_offline_mode, try_to_load_from_cache
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+    from huggingface_hub.utils import validate_repo_id
+
+    from kvpress_phase.evaluation.arguments import first_line
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return "it is not a hub id (org/name) either"
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None
+    if is_offline_mode():
+        return "the hub was not asked (HF_HUB_OFFLINE is set) and its local cache does not hold it"
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json"), timeout=HUB_CHECK_TIMEOUT)
+    except GatedRepoError:  # it exists; transformers reports whether this user may read it
+        return None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        return f"the hub at {constants.ENDPOINT} has no such model"
+    except HfHubHTTPError as exc:
+        return f"the hub at {constants.ENDPOINT} answered: {first_line(exc)}"
+    except (httpx.HTTPError, OSError) as exc:
+        return f"the hub at {constants.ENDPOINT} could not be reached ({first_line(exc)})"
+    return None
+
+
 def builtin_training_length(name: str = DEFAULT_MODEL) -> Optional[int]:
     """Longest sequence, in tokens, the built-in model ``name`` was trained on (from its ``training_log.json``);
     None for a pretrained model fetched from elsewhere."""

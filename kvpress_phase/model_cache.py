@@ -100,6 +100,23 @@ def cache_root() -> str:
     return os.path.abspath(os.path.expanduser(os.environ.get("KVPRESS_PHASE_CACHE") or "~/.cache/kvpress-phase"))
 
 
+def _make_cache_folder(folder: str) -> None:
+    """Create ``folder`` inside the cache; :class:`ModelUnavailable` naming ``KVPRESS_PHASE_CACHE`` and the cache's
+    path when it cannot be created or written to (before anything is fetched)."""
+    root = cache_root()
+    if os.path.exists(root) and not os.path.isdir(root):
+        reason = "is a file, not a folder"
+    else:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            reason = None if os.access(folder, os.W_OK) else "is not writable"
+        except OSError as exc:
+            reason = f"cannot be created ({exc.strerror})"
+    if reason:
+        raise ModelUnavailable(f"the model cache {root!r} (KVPRESS_PHASE_CACHE, default ~/.cache/kvpress-phase) "
+                               f"{reason}; set KVPRESS_PHASE_CACHE to a writable folder")
+
+
 def sha256_of(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -162,7 +179,7 @@ def _convert_locked(final: str, convert, progress: bool) -> str:
     if _complete(final):
         return final
     parent, name = os.path.split(final)
-    os.makedirs(parent, exist_ok=True)
+    _make_cache_folder(parent)
     lock = FileLock(os.path.join(parent, f".{name}.lock"))
     try:
         lock.acquire(timeout=0)

@@ -16,6 +16,7 @@ Only torch is imported, so the kernels can use this module on a machine without 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -24,13 +25,52 @@ import torch
 IntOrTensor = Union[int, torch.Tensor]
 
 
+def check_number(name: str, value, low=None, high=None, *, integer: bool = True, open_high: bool = False):
+    """``value`` as a Python int (``integer``) or float in ``[low, high]`` (``[low, high)`` with ``open_high``;
+    either bound may be None); ``ValueError`` naming ``name`` otherwise.
+
+    Python, numpy and 0-d torch numbers are accepted, bools never; with ``integer`` a float is refused even when it
+    is whole. The presses validate their parameters with it too, so both refuse the same values.
+    """
+    number = value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+    kind = numbers.Integral if integer else numbers.Real
+    if (isinstance(number, kind) and not isinstance(number, bool)
+            and (low is None or number >= low)
+            and (high is None or (number < high if open_high else number <= high))):
+        return int(number) if integer else float(number)
+    if low is None and high is None:
+        allowed = ""
+    elif high is None:
+        allowed = f" >= {low}"
+    elif low is None:
+        allowed = f" {'<' if open_high else '<='} {high}"
+    else:
+        allowed = f" in [{low}, {high}{')' if open_high else ']'}"
+    raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}{allowed}, got {value!r}")
+
+
+def check_ratio(value, name: str = "compression_ratio") -> float:
+    """A compression ratio: a number in ``[0, 1)`` (see :func:`check_number`)."""
+    return check_number(name, value, 0, 1, integer=False, open_high=True)
+
+
+def _check_positions(name: str, value) -> None:
+    """``value`` is an integer or a tensor of integers (positions and offsets, of any sign)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise ValueError(f"{name} must be an integer or a tensor of integers, got a {value.dtype} tensor")
+    else:
+        check_number(name, value)
+
+
 def phase_of(position: IntOrTensor, stride: int, offset: IntOrTensor = 0) -> IntOrTensor:
     """Phase of ``position`` for windows placed every ``stride`` tokens starting at ``offset``.
 
     Works on Python ints and on integer tensors (broadcasting), and always returns a value in ``[0, stride)``.
     """
-    if stride < 1:
-        raise ValueError(f"stride must be >= 1, got {stride}")
+    stride = check_number("stride", stride, 1)
+    _check_positions("position", position)
+    _check_positions("offset", offset)
     return (position - offset) % stride
 
 
@@ -47,6 +87,7 @@ def kept_per_window(stride: int, compression_ratio: float) -> int:
     So the per-window ratio achieved, :func:`window_ratio`, is ``1 - k / S``: within ``1 / (2S)`` of the request
     except where the last two rules apply (:func:`ratio_mismatch` says when).
     """
+    stride, compression_ratio = check_number("stride", stride, 1), check_ratio(compression_ratio)
     exact = stride * (1.0 - compression_ratio)
     k = math.ceil(exact - 0.5 - 1e-9)  # nearest, ties down; the epsilon absorbs float error at exact ties
     if compression_ratio > 0 and stride > 1:
@@ -56,6 +97,7 @@ def kept_per_window(stride: int, compression_ratio: float) -> int:
 
 def window_ratio(stride: int, compression_ratio: float) -> float:
     """The per-window compression ratio achieved at a requested ``compression_ratio``: ``1 - k / S``."""
+    stride = check_number("stride", stride, 1)
     return 1.0 - kept_per_window(stride, compression_ratio) / stride
 
 
@@ -65,6 +107,7 @@ def ratio_mismatch(stride: int, compression_ratio: float) -> Optional[str]:
     A positive ratio that still keeps every token (only possible at ``S = 1``) and an achieved per-window ratio
     more than ``1 / (2S)`` from the request are reported.
     """
+    stride, compression_ratio = check_number("stride", stride, 1), check_ratio(compression_ratio)
     k = kept_per_window(stride, compression_ratio)
     achieved = 1.0 - k / stride
     if compression_ratio > 0 and k == stride:
@@ -85,14 +128,23 @@ def n_windows(seq_len: int, stride: int, n_sink: int, n_local: int) -> int:
     fit whatever the offset. That is the number used for every offset, which makes the compressed length
     independent of the offset: aligned, shifted and staggered grids spend exactly the same cache.
     """
+    seq_len, stride = check_number("seq_len", seq_len, 0), check_number("stride", stride, 1)
+    n_sink, n_local = check_number("n_sink", n_sink, 0), check_number("n_local", n_local, 0)
     span = max(0, seq_len - n_sink - n_local)
     return max(0, (span - stride + 1) // stride)
 
 
 def compressed_length(seq_len: int, stride: int, compression_ratio: float, n_sink: int = 4, n_local: int = 16) -> int:
     """Cache length after compression: ``seq_len - n_windows * (stride - k)``."""
-    nw = n_windows(seq_len, stride, n_sink, n_local)
-    return seq_len - nw * (stride - kept_per_window(stride, compression_ratio))
+    nw = n_windows(seq_len, stride, n_sink, n_local)  # validates all but the ratio, which kept_per_window does
+    return int(seq_len) - nw * (int(stride) - kept_per_window(stride, compression_ratio))
+
+
+def _check_window(window, stride, k) -> tuple[int, int, int]:
+    """``window >= stride >= 1`` and ``1 <= k <= window``, as ints."""
+    stride = check_number("stride", stride, 1)
+    window = check_number("window", window, stride)
+    return window, stride, check_number("k", k, 1, window)
 
 
 def group_bounds(window: int, stride: int, k: int) -> tuple[list[int], list[int]]:
@@ -103,6 +155,7 @@ def group_bounds(window: int, stride: int, k: int) -> tuple[list[int], list[int]
     groups partition the window; with ``W == 2 * S`` every token feeds two entries (of this window and the next)
     and no two entries of the sequence pool the same tokens.
     """
+    window, stride, k = _check_window(window, stride, k)
     lo = [(g * stride) // k for g in range(k)]
     share = [((g + 1) * stride) // k - lo[g] for g in range(k)]
     hi = [lo[g] + -(-share[g] * window // stride) for g in range(k)]
@@ -116,8 +169,8 @@ def merge_period(stride: int, k: int) -> int:
     ``k = 7`` of 8 merges only the last two slots (period 8); ``k = 6`` merges slots 2-3 and 6-7 (period 4);
     ``k = 4`` merges pairs (period 2). Grids shifted by a multiple of the period merge the same phases.
     """
-    if stride < 1 or not 1 <= k <= stride:
-        raise ValueError(f"need stride >= 1 and 1 <= k <= stride, got stride={stride}, k={k}")
+    stride = check_number("stride", stride, 1)
+    k = check_number("k", k, 1, stride)
     starts = set(group_bounds(stride, stride, k)[0])
     for p in range(1, stride + 1):
         if stride % p == 0 and all((b + p) % stride in starts for b in starts):
@@ -128,7 +181,7 @@ def merge_period(stride: int, k: int) -> int:
 def group_membership(window: int, stride: int, k: int, device=None) -> torch.Tensor:
     """``(window, k)`` float32 matrix, 1 where slot ``i`` feeds entry ``g`` (see :func:`group_bounds`)."""
     lo, hi = group_bounds(window, stride, k)
-    i = torch.arange(window, device=device)[:, None]
+    i = torch.arange(int(window), device=device)[:, None]
     lo_t = torch.tensor(lo, device=device)
     hi_t = torch.tensor(hi, device=device)
     return ((i >= lo_t) & (i < hi_t)).to(torch.float32)
@@ -187,16 +240,20 @@ class WindowLayout:
         ``offsets`` is one int for all rows, a sequence of ``heads`` ints (one grid per head), or a tensor
         broadcastable to ``(batch, heads)``.
         """
-        if stride < 1:
-            raise ValueError(f"stride must be >= 1, got {stride}")
-        if window < stride:
-            raise ValueError(f"window must be >= stride ({stride}), got {window}")
-        if not 1 <= k <= window:
-            raise ValueError(f"k must be in [1, window={window}], got {k}")
-        if n_sink < 0 or n_local < 0:
-            raise ValueError(f"n_sink and n_local must be >= 0, got {n_sink} and {n_local}")
-        off = torch.as_tensor(offsets, dtype=torch.long, device=device)
-        off = torch.broadcast_to(off, (batch, heads)).clone() % stride
+        window, stride, k = _check_window(window, stride, k)
+        seq_len = check_number("seq_len", seq_len, 0)
+        n_sink, n_local = check_number("n_sink", n_sink, 0), check_number("n_local", n_local, 0)
+        batch, heads = check_number("batch", batch, 1), check_number("heads", heads, 1)
+        try:
+            off = offsets if isinstance(offsets, torch.Tensor) else torch.as_tensor(offsets)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"offsets must be an int, a sequence of ints or an integer tensor, "
+                             f"got {offsets!r}") from None
+        _check_positions("offsets", off)
+        if off.dim() > 2 or any(n not in (1, m) for n, m in zip(reversed(off.shape), (heads, batch))):
+            raise ValueError(f"offsets of shape {tuple(off.shape)} do not fit batch={batch}, heads={heads}: give one "
+                             f"int, {heads} ints (one per head) or a tensor broadcastable to ({batch}, {heads})")
+        off = torch.broadcast_to(off.to(device=device, dtype=torch.long), (batch, heads)).clone() % stride
         first = n_sink + torch.remainder(off - n_sink, stride)
         return cls(
             seq_len=seq_len,

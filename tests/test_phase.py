@@ -5,10 +5,13 @@ from __future__ import annotations
 import warnings
 from fractions import Fraction
 
+import numpy as np
 import pytest
+import torch
 
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress
-from kvpress_phase.phase import compressed_length, kept_per_window, ratio_mismatch, window_ratio
+from kvpress_phase.phase import (WindowLayout, compressed_length, group_bounds, group_membership, kept_per_window,
+                                 merge_period, n_windows, phase_of, ratio_mismatch, window_ratio)
 
 STRIDES = range(2, 33)
 RATIOS = [Fraction(i, 64) for i in range(64)]  # every ratio in [0, 1) in steps of 1/64, exactly
@@ -75,6 +78,68 @@ def test_warning_once_per_press(cls):
     assert not [w for w in caught if "per-window ratio" in str(w.message)]
 
 
-def test_positive_ratio_at_stride_one_warns():
-    with pytest.warns(UserWarning, match="no compression"):
+def test_positive_ratio_at_stride_one_is_refused():  # ratio_mismatch still says why (above); the press refuses it
+    with pytest.raises(ValueError, match="stride must be >= 2"):
         ChunkedStridePress(compression_ratio=0.5, stride=1, window=1)
+
+
+# ---------------------------------------------------------------------------------------------- argument checks
+LAYOUT = dict(window=8, stride=8, k=4)
+BAD_CALLS = [
+    ("stride", lambda: phase_of(5, 0)),
+    ("stride", lambda: phase_of(5, 2.5)),
+    ("stride", lambda: phase_of(5, True)),
+    ("position", lambda: phase_of(5.0, 4)),
+    ("offset", lambda: phase_of(torch.arange(4), 4, torch.tensor([0.5]))),
+    ("stride", lambda: kept_per_window(0, 0.5)),
+    ("stride", lambda: kept_per_window(8.0, 0.5)),
+    ("compression_ratio", lambda: kept_per_window(8, 1.5)),
+    ("compression_ratio", lambda: kept_per_window(8, -0.1)),
+    ("compression_ratio", lambda: kept_per_window(8, 1)),
+    ("compression_ratio", lambda: kept_per_window(8, float("nan"))),
+    ("compression_ratio", lambda: kept_per_window(8, "0.5")),
+    ("stride", lambda: window_ratio(0, 0.5)),
+    ("compression_ratio", lambda: window_ratio(8, True)),
+    ("stride", lambda: ratio_mismatch(0, 0.5)),
+    ("seq_len", lambda: n_windows(-1, 8, 4, 16)),
+    ("stride", lambda: n_windows(100, 0, 4, 16)),
+    ("n_sink", lambda: n_windows(100, 8, -1, 16)),
+    ("n_local", lambda: n_windows(100, 8, 4, 1.5)),
+    ("stride", lambda: compressed_length(100, 0, 0.5)),
+    ("compression_ratio", lambda: compressed_length(100, 8, 1.0)),
+    ("window", lambda: group_bounds(4, 8, 2)),
+    ("k", lambda: group_bounds(8, 8, 0)),
+    ("k", lambda: group_membership(8, 8, 2.0)),
+    ("stride", lambda: merge_period(0, 1)),
+    ("k", lambda: merge_period(8, 9)),
+    ("offsets", lambda: WindowLayout.build(100, **LAYOUT, offsets=[1, 2, 3], heads=2)),
+    ("offsets", lambda: WindowLayout.build(100, **LAYOUT, offsets=torch.zeros(3, 2, dtype=torch.long), batch=2,
+                                           heads=2)),
+    ("offsets", lambda: WindowLayout.build(100, **LAYOUT, offsets=[1.5, 2], heads=2)),
+    ("offsets", lambda: WindowLayout.build(100, **LAYOUT, offsets="1")),
+    ("stride", lambda: WindowLayout.build(100, window=8, stride=0, k=4)),
+    ("window", lambda: WindowLayout.build(100, window=4, stride=8, k=4)),
+    ("k", lambda: WindowLayout.build(100, window=8, stride=8, k=9)),
+    ("seq_len", lambda: WindowLayout.build(-5, **LAYOUT)),
+    ("heads", lambda: WindowLayout.build(100, **LAYOUT, heads=0)),
+    ("batch", lambda: WindowLayout.build(100, **LAYOUT, batch=2.0)),
+    ("n_sink", lambda: WindowLayout.build(100, **LAYOUT, n_sink=-1)),
+]
+
+
+@pytest.mark.parametrize("name,call", BAD_CALLS, ids=[f"{i}-{n}" for i, (n, _) in enumerate(BAD_CALLS)])
+def test_invalid_arguments_are_refused_naming_the_argument(name, call):
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        call()
+
+
+def test_integer_scalars_of_numpy_and_torch_are_accepted():
+    assert phase_of(np.int64(13), np.int32(8), np.int64(3)) == 2
+    assert phase_of(13, torch.tensor(8)) == 5
+    assert kept_per_window(np.int64(8), np.float32(0.5)) == kept_per_window(8, 0.5) == 4
+    assert compressed_length(torch.tensor(100), np.int64(8), 0.5) == compressed_length(100, 8, 0.5)
+    assert merge_period(np.int16(8), torch.tensor(4)) == merge_period(8, 4)
+    layout = WindowLayout.build(np.int64(100), window=np.int64(8), stride=np.int64(8), k=torch.tensor(4),
+                                offsets=np.array([1, 6]), batch=2, heads=2)
+    assert isinstance(layout.stride, int) and layout.first.tolist() == [[1, 6], [1, 6]]
+    assert WindowLayout.build(100, **LAYOUT, offsets=[1, 6], batch=3, heads=2).offsets.shape == (3, 2)

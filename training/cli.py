@@ -13,6 +13,20 @@ from kvpress_phase.evaluation.arguments import csv_list
 from .config import DEFAULT_TASKS, DTYPES, OFFSET_MODES, RECIPES, FinetuneConfig
 from .finetune import finetune
 
+DESCRIPTION = """\
+Fine-tune a causal LM with ChunkedStridePress or PhaseAwarePress in the loop: each training context is
+prefilled under the press, and the model learns to answer from the compressed cache. The press's ratio,
+stride and grid offset are drawn for every micro-batch. Checkpoints make a run resumable."""
+EXAMPLES = """\
+examples:
+  kvpress-phase train --recipe chunked --output-dir outputs/models/chunked
+  kvpress-phase train --model path/or/hub-id --press chunked_stride --ratios 0.5 --strides 8 --steps 500 \\
+      --output-dir outputs/models/my-model
+
+With --max-minutes a run checkpoints and exits with code 3 when the time is up; rerun the same command
+to resume. Bad input exits with code 2 and a one-line message."""
+"""The help text of ``kvpress-phase train`` (the parser is built in :mod:`kvpress_phase.evaluation.cli`)."""
+
 
 def _weights(text: str) -> dict:
     """``niah_single:2,niah_multikey`` -> ``{"niah_single": 2.0, "niah_multikey": 1.0}``."""

@@ -128,10 +128,10 @@ class FinetuneConfig:
             if key in keys:
                 raise ValueError(f"press setting {key!r} is set by the trainer (ratios, strides, offset-mode), "
                                  f"not in --press")
-        spec = parse_press_spec(self.press)
-        if spec.name not in OUR_PRESSES:
+        if str(self.press).strip().split(":")[0] not in OUR_PRESSES:  # before parsing, which lists every press
             raise ValueError(f"press must be one of {', '.join(OUR_PRESSES)} (optionally with :key=value settings), "
                              f"got {self.press!r}")
+        spec = parse_press_spec(self.press)
         if dict(spec.options).get("backend") == "triton":
             raise ValueError("press backend 'triton' has no backward pass; training uses backend=torch")
         if self.ratio_range is not None:

@@ -11,15 +11,14 @@ from .config import FinetuneConfig
 
 def resolve_model(config: FinetuneConfig) -> tuple[str, bool]:
     """``(path or hub id, whether it is one of the small built-in models)`` of ``config.model`` (a registered
-    name, including ``smollm2``, a path or a hub id); ValueError when a built-in model is not built or the real
-    model cannot be fetched."""
-    from kvpress_phase.builtin import BUILTIN_MODELS, DEFAULT_MODEL, BuiltinModel, builtin_model_path
+    name, including ``smollm2``, a ``.gguf`` file, a folder or a hub id: :func:`kvpress_phase.builtin.model_path`,
+    as ``kvpress-phase eval`` resolves it); ValueError when a built-in model is not built, the real model cannot be
+    fetched, a folder lacks files or a name is unknown."""
+    from kvpress_phase.builtin import BUILTIN_MODELS, DEFAULT_MODEL, BuiltinModel, model_path
 
     name = config.model or DEFAULT_MODEL
-    if name not in BUILTIN_MODELS:
-        return name, False
     try:  # smollm2 is fetched and converted on first use (ModelUnavailable, a ValueError, when it cannot be)
-        return builtin_model_path(name), isinstance(BUILTIN_MODELS[name], BuiltinModel)
+        return model_path(name), isinstance(BUILTIN_MODELS.get(name), BuiltinModel)
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
 

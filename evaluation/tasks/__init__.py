@@ -60,13 +60,14 @@ from ..prompting import (
 from . import niah, passages, qa, vt
 from .base import (
     EVAL_SEED_LIMIT,
-    TAIL_RESERVE,
     Assembler,
     BuildContext,
     Draft,
+    check_context_length,
     derive_seed,
     phase_columns,
     single_token_words,
+    tail_reserve,
 )
 from .hub import HubDatasetError, load_hub_tasks, replace_needles
 from .vocab import PAD_WORDS
@@ -181,11 +182,9 @@ def _is_int(x) -> bool:
 
 
 def _draft(spec: TaskSpec, tokenizer, rng: random.Random, context_length: int, stride: int, options: dict):
-    reserve = max(TAIL_RESERVE, stride + 8)
-    budget = context_length - context_prefix_length(tokenizer) - reserve
-    if budget <= 0:
-        raise ValueError(f"context_length={context_length} is too small (at least {reserve + 32} tokens)")
-    ctx = BuildContext(tokenizer=tokenizer, rng=rng, budget=budget, options=options)
+    check_context_length(context_length, stride)
+    budget = max(0, context_length - context_prefix_length(tokenizer) - tail_reserve(stride))
+    ctx = BuildContext(tokenizer=tokenizer, rng=rng, budget=budget, options=options)  # the task says if it fits
     return ctx, spec.build(ctx)
 
 
@@ -373,5 +372,6 @@ __all__ = [
     "training_example",
     "training_sequence",
     "EVAL_SEED_LIMIT",
+    "check_context_length",
     "derive_seed",
 ]

@@ -51,6 +51,25 @@ EVAL_SEED_LIMIT = 10**6
 TAIL_RESERVE = 24
 """Minimum tokens of the trailing zone when strides are at most 16 (``max(TAIL_RESERVE, stride + 8)``)."""
 
+MIN_TEXT_TOKENS = 32
+"""Tokens a context needs besides its trailing zone: the prompt's opening (BOS or chat template) and the task's text."""
+
+
+def tail_reserve(stride: int) -> int:
+    """Tokens kept for the trailing zone at ``stride`` (the padding that moves the answer to a phase)."""
+    return max(TAIL_RESERVE, stride + 8)
+
+
+def check_context_length(context_length: int, stride: int) -> None:
+    """ValueError unless ``context_length`` leaves room for the trailing zone at ``stride`` and
+    :data:`MIN_TEXT_TOKENS` more: the shortest context any task is generated at (56 tokens up to stride 16). A task
+    with more text needs more (its generator says how much)."""
+    least = tail_reserve(stride) + MIN_TEXT_TOKENS
+    if context_length < least:
+        raise ValueError(f"context_length must be >= {least} tokens at stride {stride} (the trailing zone takes "
+                         f"{tail_reserve(stride)}, the prompt and the task's text at least {MIN_TEXT_TOKENS}), "
+                         f"got {context_length}")
+
 
 def derive_seed(domain: str, task: str, seed: int, index: int) -> int:
     """A 64-bit seed for one example, from its domain (``"eval"`` or ``"train"`` and a purpose), task, seed, index."""

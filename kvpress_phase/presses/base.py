@@ -19,20 +19,16 @@ from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
 from kvpress_phase.kernels import BACKENDS, ROPE_MODES, WEIGHTINGS, Compressed, pool_windows, select_windows
-from kvpress_phase.phase import WindowLayout, group_bounds, kept_per_window, ratio_mismatch, window_ratio
+from kvpress_phase.phase import (WindowLayout, check_number, check_ratio, group_bounds, kept_per_window,
+                                 ratio_mismatch, window_ratio)
 from kvpress_phase.presses import decoding as _decoding
+from kvpress_phase.presses.scorers import SCORERS, scorer_from_name
 from kvpress_phase.presses.stats import LayerStats
 from kvpress_phase.rope import rotary_inv_freq
 
 logger = logging.getLogger(__name__)
 
 MODES = ("select", "pool")
-
-
-def _check_int(name: str, value, low: int, high: Optional[int] = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -64,6 +60,8 @@ class WindowedPress(BasePress):
         self.validate()
 
     def __setattr__(self, name, value):
+        if name == "scorer" and isinstance(value, str):  # a name, as in an evaluation press spec: build it
+            value = scorer_from_name(value)
         super().__setattr__(name, value)
         if name == "decoding":  # kvpress's pipeline keeps only PrefillDecodingPress instances active while generating
             _decoding.sync_decoding_class(self, value is True)
@@ -86,15 +84,16 @@ class WindowedPress(BasePress):
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid parameter and its allowed range."""
-        r = self.compression_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
-            raise ValueError(f"compression_ratio must be a number in [0, 1), got {r!r}")
-        _check_int("stride", self.stride, 1)
+        check_ratio(self.compression_ratio)
+        check_number("stride", self.stride, 1)
+        if self.stride == 1 and self.compression_ratio > 0:
+            raise ValueError(f"stride must be >= 2 for compression_ratio={self.compression_ratio:g}: at stride 1 every "
+                             "window is one token and keeps it, so nothing would be compressed")
         if self.window is not None:
-            _check_int("window", self.window, self.stride)
-        _check_int("offset", self.offset, 0)
-        _check_int("n_sink", self.n_sink, 0)
-        _check_int("n_local", self.n_local, 0)
+            check_number("window", self.window, self.stride)
+        check_number("offset", self.offset, 0)
+        check_number("n_sink", self.n_sink, 0)
+        check_number("n_local", self.n_local, 0)
         _check_choice("mode", self.mode, MODES)
         _check_choice("weighting", self.weighting, WEIGHTINGS)
         _check_choice("rope", self.rope, ROPE_MODES)
@@ -103,7 +102,8 @@ class WindowedPress(BasePress):
         if not isinstance(self.decoding, bool):
             raise ValueError(f"decoding must be True or False, got {self.decoding!r}")
         if not isinstance(self.scorer, ScorerPress):
-            raise ValueError(f"scorer must be a kvpress ScorerPress, got {type(self.scorer).__name__}")
+            raise ValueError(f"scorer must be a kvpress ScorerPress or one of the names {', '.join(SCORERS)}, got "
+                             f"{type(self.scorer).__name__}")
         if self.decoding and getattr(self.scorer, "needs_context", False):
             raise ValueError(f"decoding=True cannot use {type(self.scorer).__name__}: its scores need the whole "
                              "context, which a decoding step does not have")
@@ -135,6 +135,7 @@ class WindowedPress(BasePress):
 
     # ------------------------------------------------------------------ kvpress hooks
     def post_init_from_model(self, model):
+        self._check_model(model)
         self.scorer.post_init_from_model(model)
         if self.needs_rope:
             inner = getattr(model, "model", model)
@@ -144,6 +145,25 @@ class WindowedPress(BasePress):
                     f"{type(model).__name__} has no rotary embedding: rope={self.rope!r} un-rotates keys with the "
                     "model's RoPE. Use rope='none' for this model."
                 )
+
+    def _check_model(self, model) -> None:
+        """Refuse, when the press is attached, a model whose attention layers kvpress cannot hook: kvpress (and
+        :func:`_compress_after_prefill`) find them at ``model.model.layers[i].self_attn`` and hand each the model's
+        ``model.model.rotary_emb``, which only its rotary decoders have (GPT-2, for one, has neither). The
+        embedding may be None where nothing un-rotates keys (selection, or ``rope="none"``)."""
+        inner = getattr(model, "model", None)
+        inner = getattr(inner, "language_model", inner)
+        layers = getattr(inner, "layers", None)
+        missing = [path for path, ok in (
+            ("model.model.rotary_emb", hasattr(inner, "rotary_emb")),
+            ("model.model.layers[i].self_attn", layers is not None and all(hasattr(m, "self_attn") for m in layers)),
+        ) if not ok]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__} needs a model with rotary position embeddings whose attention layers kvpress "
+                "can hook, as in Llama, Mistral, Qwen2/3, Phi3 and Gemma3 (model.model.rotary_emb and "
+                f"model.model.layers[i].self_attn); {type(model).__name__} has no {' and no '.join(missing)}"
+            )
 
     def grid_offsets(
         self, module: nn.Module, scores: Optional[torch.Tensor], batch: int, heads: int, seq_len: int

@@ -56,7 +56,8 @@ class ChunkedStridePress(WindowedPress):
         W, tokens read by each window, ``>= stride``; None means ``stride`` (non-overlapping windows).
         ``window > stride`` (overlapping windows) needs ``mode="pool"``.
     stride : int, default 8
-        S, distance between window starts, ``>= 1``.
+        S, distance between window starts, ``>= 1``; ``>= 2`` for a positive ``compression_ratio`` (a window of
+        one token keeps it: ValueError rather than a press that compresses nothing).
     offset : int, default 0
         Where the grid starts: phase 0 is at positions ``offset + j * stride``. ``>= 0``.
     n_sink : int, default 4
@@ -67,11 +68,12 @@ class ChunkedStridePress(WindowedPress):
         ``"select"`` keeps the ``k`` highest-scoring tokens of each window (ties to the earlier token), which keep
         their original rotation; ``"pool"`` merges each window into ``k`` entries (slot ``i`` of the window feeds
         entry ``floor(i * k / W)``).
-    scorer : kvpress.ScorerPress, default ``KeyDiffPress()``
+    scorer : kvpress.ScorerPress or str, default ``KeyDiffPress()``
         Per-token scores (higher = more important) for ``mode="select"`` and ``weighting="score"``. Its own
         ``compression_ratio`` is ignored. Any kvpress ``ScorerPress``, or
         :class:`~kvpress_phase.presses.scorers.KVzipScorer` (KVzip's reconstruction scores; the press then
-        compresses after the prefill). While decoding (``decoding=True``) a scorer sees only the block being
+        compresses after the prefill), or a name of :data:`~kvpress_phase.presses.scorers.SCORERS` (``"knorm"``,
+        ``"snapkv"``, ``"keydiff"``, ...), which the press replaces with that scorer built with its defaults. While decoding (``decoding=True``) a scorer sees only the block being
         compressed: KeyDiff's mean key is then the block's.
     weighting : {"mean", "score"}, default "mean"
         Pool weights inside each merged group: uniform, or softmax of the scorer's scores.

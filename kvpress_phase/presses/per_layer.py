@@ -10,13 +10,9 @@ import torch
 from kvpress import BasePress
 from torch import nn
 
+from kvpress_phase.phase import check_ratio
 from kvpress_phase.presses import decoding as _decoding
 from kvpress_phase.presses.base import WindowedPress
-
-
-def _check_ratio(where: str, r) -> None:
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
-        raise ValueError(f"compression_ratios{where} must be a number in [0, 1), got {r!r}")
 
 
 @dataclass
@@ -53,10 +49,10 @@ class PerLayerWindowedPress(BasePress):
             for layer, r in ratios.items():
                 if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
                     raise ValueError(f"compression_ratios keys must be layer indices >= 0, got {layer!r}")
-                _check_ratio(f"[{layer}]", r)
+                check_ratio(r, f"compression_ratios[{layer}]")
         elif isinstance(ratios, Sequence) and not isinstance(ratios, str) and len(ratios) > 0:
             for layer, r in enumerate(ratios):
-                _check_ratio(f"[{layer}]", r)
+                check_ratio(r, f"compression_ratios[{layer}]")
         else:
             raise ValueError(
                 f"compression_ratios must be a non-empty list of ratios or a mapping from layer index to ratio, "

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpress_phase.kernels import Compressed, keep_and_pool
-from kvpress_phase.phase import WindowLayout, kept_per_window, merge_period
+from kvpress_phase.phase import WindowLayout, check_number, kept_per_window, merge_period
 from kvpress import KeyDiffPress, ScorerPress
 
-from kvpress_phase.presses.base import WindowedPress, _check_choice, _check_int
+from kvpress_phase.presses.base import WindowedPress, _check_choice
 from kvpress_phase.rope import rotary_inv_freq
 
 STAGGERS = ("none", "head", "layer", "head_layer")
@@ -75,8 +75,9 @@ class PhaseAwarePress(WindowedPress):
     mode : {"pool", "select"}, default "pool"
         The per-window mechanism of ``budget="window"`` and the pooling of ``residual="pool"``.
 
-    scorer : kvpress.ScorerPress, default ``KeyDiffPress()``
-        Scores that choose the raw tokens (``budget="row"``/``"window_topk"``), align the grid
+    scorer : kvpress.ScorerPress or str, default ``KeyDiffPress()``
+        A scorer or a name of :data:`~kvpress_phase.presses.scorers.SCORERS`, as in ``ChunkedStridePress``. Scores
+        that choose the raw tokens (``budget="row"``/``"window_topk"``), align the grid
         (``budget="window"``, ``align``) and weight pooling (``weighting="score"``).
     budget : {"row", "window", "window_topk"}, default "row"
         How the entries are shared out: across the row by score, by fixed slots per window, or by score within
@@ -138,14 +139,13 @@ class PhaseAwarePress(WindowedPress):
 
     def validate(self) -> None:
         _check_choice("budget", self.budget, BUDGETS)
-        _check_int("span", self.span, 0)
+        check_number("span", self.span, 0)
         _check_choice("span_pool", self.span_pool, ("max", "mean"))
         _check_choice("residual", self.residual, ("pool", "drop"))
         if self.pool_window is not None:
-            _check_int("pool_window", self.pool_window, self.stride)
+            check_number("pool_window", self.pool_window, self.stride)
         r = self.recent
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
-            raise ValueError(f"recent must be a number in [0, 1], got {r!r}")
+        check_number("recent", r, 0, 1, integer=False)
         if r > 0 and self.budget != "row":
             raise ValueError(f"recent={r} needs budget='row' (a share of the row's raw-token budget)")
         if not isinstance(self.share_heads, bool):

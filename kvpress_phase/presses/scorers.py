@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
-from kvpress import ScorerPress, SnapKVPress
+from kvpress import ExpectedAttentionPress, KeyDiffPress, KnormPress, RandomPress, ScorerPress, SnapKVPress, TOVAPress
 from kvpress.utils import get_prerope_query_states
 from torch import nn
 from torch.nn import functional as F
@@ -220,3 +220,24 @@ def quiet_kvzip_press(compression_ratio: float, **kwargs):
         return KVzipPress(compression_ratio=compression_ratio, **kwargs)
     finally:
         log.setLevel(level)
+
+
+SCORERS = {
+    "knorm": KnormPress,
+    "snapkv": SnapKVScorer,
+    "expected_attention": ExpectedAttentionPress,
+    "tova": TOVAPress,
+    "keydiff": KeyDiffPress,
+    "random": RandomPress,
+    "kvzip": KVzipScorer,
+}
+"""Scorers our presses accept by name, in Python (``PhaseAwarePress(scorer="keydiff")``) and in an evaluation press
+spec (``phase_aware:scorer=snapkv``): kvpress's, and for ``snapkv`` its partial-rotary-safe version
+:class:`SnapKVScorer` (same scores otherwise)."""
+
+
+def scorer_from_name(name: str) -> ScorerPress:
+    """A fresh scorer for a name of :data:`SCORERS`; ValueError listing the names otherwise."""
+    if name not in SCORERS:
+        raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(SCORERS)}")
+    return SCORERS[name]()

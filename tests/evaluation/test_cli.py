@@ -8,6 +8,7 @@ import os
 import pytest
 
 from kvpress_phase.evaluation import cli
+from kvpress_phase.evaluation.runner import EvalConfig
 from kvpress_phase.evaluation.tokenizer import save_tokenizer, build_tokenizer
 from tiny_models import tiny_model
 
@@ -87,6 +88,99 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
     assert len(err.splitlines()) == 1 and message in err and "Traceback" not in err
 
 
+def _refused(argv, capsys) -> str:
+    """The one stderr line of a command refused with exit code 2 (an unloadable model: nothing would run)."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and err.startswith("kvpress-phase: error: "), err
+    return err
+
+
+def test_eval_refuses_stride_1_with_a_positive_ratio(tmp_path, capsys):
+    err = _refused(["eval", "--model", "/no/such/model", "--strides", "1", "--compression-ratios", "0.25",
+                    "--output-dir", str(tmp_path)], capsys)
+    assert "stride 1" in err and "nothing would be compressed" in err and "strides of 2 or more" in err
+    EvalConfig(presses=["no_press"], strides=[1], compression_ratios=[0.25]).validate()  # nothing to compress
+    EvalConfig(strides=[1], compression_ratios=[0.0]).validate()
+
+
+def test_context_length_minimum_is_one_rule_in_eval_and_the_task_generators(tmp_path, capsys):
+    from kvpress_phase.evaluation.tasks import generate
+
+    err = _refused(["eval", "--model", "/no/such/model", "--context-lengths", "40", "--strides", "8",
+                    "--output-dir", str(tmp_path)], capsys)
+    with pytest.raises(ValueError) as refused:
+        generate("niah_single", build_tokenizer(), n_samples=1, context_length=40, stride=8, phases=[0])
+    assert err == f"kvpress-phase: error: {refused.value}" and "context_length must be >= 56 tokens at stride 8" in err
+    EvalConfig(context_lengths=[56], strides=[8]).validate()
+    assert len(generate("niah_single", build_tokenizer(), n_samples=1, context_length=56, stride=8, phases=[0])) == 1
+    with pytest.raises(ValueError, match="context_length must be >= 72 tokens at stride 32"):
+        EvalConfig(context_lengths=[64], strides=[8, 32]).validate()
+
+
+def test_bootstrap_minimum_is_the_same_for_eval_and_report(tmp_path, capsys):
+    eval_err = _refused(["eval", "--bootstrap", "0", "--model", "/no/such/model", "--output-dir", str(tmp_path)],
+                        capsys)
+    report_err = _refused(["report", str(tmp_path), "--bootstrap", "0", "--output-dir", str(tmp_path / "r")], capsys)
+    assert eval_err == report_err and "--bootstrap must be >= 100, got 0" in eval_err
+    assert cli.build_parser().parse_args(["report", "run", "--output-dir", "o", "--bootstrap", "100"]).bootstrap == 100
+
+
+@pytest.mark.parametrize("presses,label", [("no_press,no_press", "no_press"),
+                                           ("phase_aware,knorm, phase_aware", "phase_aware"),
+                                           ("chunked_stride:mode=pool,chunked_stride:mode=pool", "chunked_stride:mode=pool")])
+def test_eval_refuses_a_press_listed_twice(presses, label, tmp_path, capsys):
+    err = _refused(["eval", "--model", "/no/such/model", "--presses", presses, "--output-dir", str(tmp_path)], capsys)
+    assert f"presses lists {label!r} twice" in err
+
+
+def test_presses_with_different_settings_are_distinct():
+    EvalConfig(presses=["chunked_stride", "chunked_stride:mode=pool", "phase_aware", "phase_aware:stagger=none"]
+               ).validate()
+
+
+HELP = [["--help"], ["eval", "--help"], ["report", "--help"], ["list", "--help"], ["train", "--help"]]
+
+
+@pytest.mark.parametrize("argv", HELP, ids=[" ".join(a) for a in HELP])
+def test_help_is_plain_words_and_no_example_writes_into_the_package(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvpress-phase")
+    for markup in ("``", ":func:", ":class:", ":mod:", ":meth:"):
+        assert markup not in out
+    assert "kvpress_phase/" not in out  # examples write to a user folder (outputs/...), not the installed package
+
+
+def test_query_aware_is_kvpress_name_for_compress_question():
+    parser = cli.build_parser()
+    new, old = parser.parse_args(["eval", "--query-aware"]), parser.parse_args(["eval", "--compress-question"])
+    assert new.compress_question is True and vars(new) == vars(old)
+    assert parser.parse_args(["eval"]).compress_question is False
+
+
+def test_report_describes_the_question_setting_as_query_aware(tmp_path, capsys):
+    from kvpress_phase.evaluation.runner import RESULTS_DIR, record_key
+
+    run = tmp_path / "run"
+    (run / RESULTS_DIR).mkdir(parents=True)
+    rows = [dict(task="niah_single", context_length=128, stride=4, window=None, protocol="prefix", sample_id=s,
+                 phase=p, press=press, compression_ratio=ratio, score=1.0, cache_length=100,
+                 setting="question_compressed")
+            for s in range(3) for p in range(4) for press, ratio in [("no_press", 0.0), ("knorm", 0.5)]]
+    with open(run / RESULTS_DIR / "results-rank0.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps({**r, "key": record_key(r)}) + "\n")
+    assert cli.main(["report", str(run), "--output-dir", str(tmp_path / "out"), "--bootstrap", "100"]) == 0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| query-aware |" in report and "`query-aware` = the question is compressed" in report
+    assert "query-aware" in report.split("## ")[1].splitlines()[0]  # the plot's heading
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert {r["setting"] for r in summary} == {"question_compressed"}  # the stored value is unchanged
+
+
 def test_unwritable_output_dir(tmp_path, capsys):
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -104,11 +198,19 @@ def test_other_configuration_in_the_same_output_dir(model_dir, tmp_path, capsys)
     assert "different configuration" in capsys.readouterr().err
 
 
+def _unreadable_weights(folder) -> None:
+    """A config and a weights file that cannot be loaded: a folder with every file a model needs, whose tokenizer
+    must be refused before the weights are read."""
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "model.safetensors").write_bytes(b"")
+
+
 def test_slow_tokenizer_exits_2_before_the_model_is_loaded(tmp_path, capsys):
     from transformers import ByT5Tokenizer
 
     folder = tmp_path / "slow"
-    ByT5Tokenizer().save_pretrained(folder)  # a tokenizer without offsets mapping, and no model weights at all
+    ByT5Tokenizer().save_pretrained(folder)  # a tokenizer without offsets mapping
+    _unreadable_weights(folder)
     assert cli.main(["eval", "--model", str(folder), "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
@@ -123,6 +225,7 @@ def test_tokenizer_without_bos_or_chat_template_exits_2(tmp_path, capsys):
                                      pad_token=word.pad_token, unk_token=word.unk_token)
     folder = tmp_path / "no-bos"
     save_tokenizer(no_bos, str(folder))
+    _unreadable_weights(folder)
     assert cli.main(["eval", "--model", str(folder), "--output-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
@@ -149,3 +252,118 @@ def test_report_merges_runs_and_refuses_a_folder_without_results(tmp_path, capsy
     assert summary[0]["per_phase"] == [1.0, 0.0, 1.0, 1.0] and summary[0]["p_value"] < 0.05
     assert cli.main(["report", str(tmp_path / "nothing"), "--output-dir", str(out)]) == 2
     assert "no results" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ model loading
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("kvpress-phase: error:") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_unknown_model_name_names_the_registered_models_without_asking_the_hub_offline(command, tmp_path, capsys,
+                                                                                       monkeypatch):
+    import huggingface_hub
+
+    from kvpress_phase.builtin import BUILTIN_MODELS
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the hub was asked while HF_HUB_OFFLINE is set")
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", asked)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([command, "--model", "nosuchmodel", "--output-dir", str(tmp_path / "out")]) == 2
+    err = _one_error_line(capsys)
+    assert "'nosuchmodel'" in err and "registered model" in err and "HF_HUB_OFFLINE" in err
+    assert all(name in err for name in BUILTIN_MODELS) and len(BUILTIN_MODELS) >= 3
+    assert err.index("smollm2") < err.index("HF_HUB_OFFLINE")  # the registered names first, then the hub
+
+
+def test_unknown_model_name_with_the_hub_unreachable_fails_fast(tmp_path, capsys, monkeypatch):
+    import time
+
+    from huggingface_hub import constants
+
+    # online, with HF_ENDPOINT=http://127.0.0.1:9 (nothing listens on port 9) and an empty hub cache: what
+    # huggingface_hub derives from those variables when it is imported
+    endpoint = "http://127.0.0.1:9"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    start = time.monotonic()
+    assert cli.main(["eval", "--model", "nosuchmodel", "--output-dir", str(tmp_path / "out")]) == 2
+    assert time.monotonic() - start < 15  # one request, no retries (transformers retried for about 50 s)
+    err = _one_error_line(capsys)
+    assert "builtin, chunked, smollm2" in err and f"{endpoint} could not be reached" in err
+    assert err.index("smollm2") < err.index(endpoint)
+
+
+def test_hub_ids_the_hub_has_still_go_to_transformers(monkeypatch):
+    import huggingface_hub
+
+    from kvpress_phase.builtin import model_path
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda url, **kw: asked.append(url))
+    assert model_path("some-org/some-model") == "some-org/some-model"
+    assert len(asked) == 1 and "some-org/some-model" in asked[0] and asked[0].endswith("config.json")
+
+
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_empty_or_incomplete_model_folder_names_what_is_missing(command, model_dir, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("emptydir")
+    assert cli.main([command, "--model", "./emptydir", "--output-dir", str(tmp_path / "out")]) == 2
+    err = _one_error_line(capsys)
+    assert "'./emptydir'" in err and "no config.json" in err and "no tokenizer files" in err and "no weights" in err
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(model_dir, incomplete, ignore=shutil.ignore_patterns("*.safetensors"))
+    assert cli.main([command, "--model", str(incomplete), "--output-dir", str(tmp_path / "out")]) == 2
+    err = _one_error_line(capsys)
+    assert "no weights (*.safetensors or *.bin)" in err and "config.json" not in err and "tokenizer" not in err
+
+
+def test_default_model_is_recorded_and_old_runs_without_it_resume(model_dir, tmp_path, capsys):
+    from kvpress_phase.evaluation.runner import EvalConfig, RESULTS_DIR
+
+    out = tmp_path / "run"
+    args = ["eval", "--tasks", "niah_single", "--presses", "no_press", "--strides", "4", "--context-lengths", "64",
+            "--samples", "1", "--no-diagnostics", "--device", "cpu", "--output-dir", str(out), "--no-progress",
+            "--bootstrap", "100"]
+    assert cli.main(args) == 0
+    assert "warning" not in capsys.readouterr().err  # float32 on the CPU: nothing to say
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["config"]["model"] == "builtin"
+    # the config.json of the same run made before the default model was recorded
+    old = {**saved["config"], "model": None}
+    (out / "config.json").write_text(json.dumps({"config": old, "fingerprint": EvalConfig(**old).fingerprint()}))
+    shard = out / RESULTS_DIR / "results-rank0.jsonl"
+    rows = shard.read_text()
+    assert cli.main(args) == 0  # resumed: nothing left to run
+    assert shard.read_text() == rows
+    # but another model does not resume that run
+    assert cli.main(args + ["--model", model_dir]) == 2
+    assert "different configuration" in capsys.readouterr().err
+
+
+def test_slow_dtype_on_the_device_is_a_one_line_warning(model_dir, tmp_path, capsys):
+    args = ["eval", "--model", model_dir, "--tasks", "niah_single", "--presses", "no_press", "--strides", "4",
+            "--context-lengths", "64", "--samples", "1", "--no-diagnostics", "--device", "cpu", "--dtype", "bfloat16",
+            "--output-dir", str(tmp_path / "run"), "--no-progress", "--bootstrap", "100"]
+    assert cli.main(args) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("kvpress-phase: warning: --dtype bfloat16")
+    assert "CPU" in warnings[0] and "float32" in warnings[0]
+
+
+def test_dtype_warning_on_a_gpu_without_native_bfloat16(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert "bfloat16" in cli._dtype_warning("bfloat16", "cuda:0") and "float16" in cli._dtype_warning("float16", "cpu")
+    assert cli._dtype_warning("float16", "cuda") is None and cli._dtype_warning("float32", "cpu") is None

@@ -150,3 +150,25 @@ def test_cli_refuses_a_wheel_with_another_hash(tmp_path, tiny_wheel):
                             capture_output=True, text=True, env=_no_registry_env(tmp_path), timeout=300)
     assert result.returncode == 2 and "refusing it" in result.stderr
     assert not os.path.exists(os.path.join(tmp_path, "cache", "models", "smollm2"))
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file"])
+@pytest.mark.parametrize("model", ["smollm2", "gguf"])
+def test_cache_variable_naming_a_file_exits_2_before_any_fetch(where, model, tmp_path, monkeypatch, capsys):
+    from kvpress_phase.evaluation import cli
+
+    def fetched(*args, **kwargs):
+        raise AssertionError("the wheel was fetched although the cache cannot be used")
+
+    monkeypatch.setattr(model_cache, "_fetch_wheel", fetched)
+    monkeypatch.delenv(SMOLLM2.wheel_variable, raising=False)
+    (tmp_path / "a-file").write_text("not a folder")
+    cache = tmp_path / "a-file" if where == "file" else tmp_path / "a-file" / "cache"
+    monkeypatch.setenv("KVPRESS_PHASE_CACHE", str(cache))
+    if model == "gguf":
+        model = str(tmp_path / "tiny.gguf")
+        write_tiny_gguf(model)
+    assert cli.main(["eval", "--model", model, "--output-dir", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("kvpress-phase: error:") and "Traceback" not in err
+    assert "KVPRESS_PHASE_CACHE" in err and repr(str(cache)) in err

@@ -135,6 +135,22 @@ def test_model_without_rotary_embedding_is_refused_at_setup():
         pass
 
 
+@pytest.mark.parametrize("press", [ChunkedStridePress(), PhaseAwarePress(), ChunkedStridePress(0.5, mode="pool"),
+                                   ChunkedStridePress(0.5, mode="pool", rope="none")],
+                         ids=["chunked_select", "phase_aware", "chunked_pool", "chunked_pool_rope_none"])
+def test_model_without_kvpress_layout_is_refused_when_attached(press):
+    """GPT-2 (learned absolute positions, layers at ``transformer.h[i].attn``) has neither the rotary embedding nor
+    the layers that kvpress's hooks need, in any mode: a ValueError naming both, before any forward pass."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
+                                                                 n_positions=64)).eval()
+    with pytest.raises(ValueError, match=rf"{type(press).__name__} needs a model with rotary position embeddings"
+                                         r".*GPT2LMHeadModel has no model\.model\.rotary_emb"):
+        with press(model):
+            pytest.fail("the press was attached")
+
+
 @pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
 @pytest.mark.parametrize("mode", ["select", "pool"])
 def test_short_sequences_pass_through(cls, mode):

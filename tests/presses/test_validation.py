@@ -1,9 +1,14 @@
 """Every invalid parameter is refused at construction with a ValueError naming it."""
 
+import dataclasses
+
+import numpy as np
 import pytest
-from kvpress import KnormPress
+from kvpress import KeyDiffPress, KnormPress
 
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+from kvpress_phase.evaluation.presses import build_press, parse_press_spec
+from kvpress_phase.presses.scorers import SCORERS, KVzipScorer, SnapKVScorer
 
 BAD = [
     ("compression_ratio", -0.1),
@@ -19,7 +24,8 @@ BAD = [
     ("weighting", "max"),
     ("rope", "end"),
     ("backend", "cuda"),
-    ("scorer", "knorm"),
+    ("scorer", "no_such_scorer"),
+    ("scorer", 3),
     ("decoding", "yes"),
 ]
 
@@ -36,6 +42,15 @@ def test_select_mode_cannot_overlap():
         ChunkedStridePress(0.5, window=16, stride=8, mode="select")
     with pytest.raises(ValueError, match="overlap"):
         PhaseAwarePress(0.5, mode="select", overlap=True, budget="window")
+
+
+@pytest.mark.parametrize("cls,kwargs", [(ChunkedStridePress, {}), (ChunkedStridePress, dict(window=2, mode="pool")),
+                                        (PhaseAwarePress, {})])
+def test_stride_1_with_a_positive_ratio_is_refused(cls, kwargs):
+    """A window of one token keeps its one token, so at stride 1 a positive ratio would compress nothing."""
+    with pytest.raises(ValueError, match="stride must be >= 2 for compression_ratio=0.25"):
+        cls(compression_ratio=0.25, stride=1, **kwargs)
+    assert cls(compression_ratio=0.0, stride=1, **kwargs).k == 1  # no compression asked: allowed, as at any stride
 
 
 @pytest.mark.parametrize("name,value", [("stagger", "row"), ("spread", "window"), ("overlap", "yes"), ("align", 1),
@@ -70,3 +85,37 @@ def test_content_budgets_need_pool_mode_without_overlap():
         with pytest.raises(ValueError, match="budget='row'"):
             PhaseAwarePress(0.5, budget="row", residual="pool", **kw)
     PhaseAwarePress(0.5, budget="row", mode="select")  # nothing is pooled with residual="drop" (the default)
+
+
+@pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
+def test_scorer_by_name_builds_the_scorer_of_the_shared_table(cls):
+    for name, scorer_cls in SCORERS.items():
+        press = cls(0.5, scorer=name)
+        assert type(press.scorer) is scorer_cls
+    assert SCORERS["knorm"] is KnormPress and SCORERS["snapkv"] is SnapKVScorer and SCORERS["kvzip"] is KVzipScorer
+    press = cls(0.5, scorer="keydiff")
+    assert press == cls(0.5, scorer=KeyDiffPress()) and "scorer=KeyDiffPress(" in repr(press)
+    assert type(dataclasses.replace(press, stride=4).scorer) is KeyDiffPress
+    assert type(dataclasses.replace(press, scorer="knorm").scorer) is KnormPress
+    press.scorer = "tova"  # a name assigned later is built too
+    assert type(press.scorer).__name__ == "TOVAPress"
+    with pytest.raises(ValueError, match="unknown scorer 'keydif'.*keydiff"):
+        cls(0.5, scorer="keydif")
+
+
+def test_cli_press_specs_use_the_same_scorer_table():
+    for name, scorer_cls in SCORERS.items():
+        for press_name in ("chunked_stride", "phase_aware"):
+            spec = parse_press_spec(f"{press_name}:scorer={name}")
+            assert type(build_press(spec, 0.5, 8, None, 0).scorer) is scorer_cls
+    with pytest.raises(ValueError, match="unknown scorer 'nope'; valid scorers: " + ", ".join(SCORERS)):
+        parse_press_spec("phase_aware:scorer=nope")
+
+
+@pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
+def test_presses_take_the_integers_the_phase_functions_take(cls):
+    """The presses check their numbers with kvpress_phase.phase's helper: numpy integers pass both, floats neither."""
+    press = cls(np.float64(0.5), stride=np.int64(8), offset=np.int32(3))
+    assert press.k == 4
+    with pytest.raises(ValueError, match="offset"):
+        cls(0.5, offset=np.float64(3.0))

@@ -286,7 +286,7 @@ BAD = [
     (["--ratio-range", "0.8:0.2"], "ratio_range"),
     (["--strides", "0"], "strides"),
     (["--press", "snapkv"], "press must be one of"),
-    (["--press", "zip"], "unknown press"),
+    (["--press", "zip"], "press must be one of chunked_stride, phase_aware"),
     (["--press", "chunked_stride:stride=4"], "set by the trainer"),
     (["--press", "chunked_stride:backend=triton"], "backward"),
     (["--offset-mode", "sometimes"], "offset-mode"),
@@ -311,6 +311,14 @@ def test_bad_configuration_exits_2_with_one_line(flags, word, capsys, tmp_path, 
     assert code == 2
     assert err.startswith("kvpress-phase: error:") and err.count("\n") == 1, err
     assert word in err
+
+
+def test_unknown_press_lists_only_the_presses_train_accepts(capsys, tmp_path):
+    code = cli.main(["train", "--press", "nope", "--output-dir", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "chunked_stride" in err and "phase_aware" in err and "'nope'" in err
+    assert not any(name in err for name in ("no_press", "snapkv", "knorm", "kvzip"))  # eval's presses, not train's
 
 
 def test_dataset_without_kvpress_columns_is_refused(tmp_path, capsys, model_dir):
