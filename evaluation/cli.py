@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import warnings
 from typing import Optional
@@ -44,7 +45,8 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit code 2, no usage dump
-        raise UsageError(message)
+        # "argument --x: --x must be ..." (our flag types name their flag) -> "--x must be ..."
+        raise UsageError(re.sub(r"^argument (\S+): \1 ", r"\1 ", message))
 
 
 DESCRIPTION = ("Phase evaluation of chunked KV-cache compression for kvpress: how accuracy depends on where the\n"

@@ -320,11 +320,12 @@ def filled_cache(caches: list, masks: Optional[list], room: int):
     out.layers = []
     for i, layer in enumerate(caches[0].layers):
         batch, heads, n, dim = layer.keys.shape
-        keys = layer.keys.new_zeros(len(caches), heads, longest + room, dim)
-        values = layer.values.new_zeros(len(caches), heads, longest + room, layer.values.shape[-1])
-        for row, c in enumerate(caches):
-            keys[row, :, :n] = c.layers[i].keys[0]
-            values[row, :, :n] = c.layers[i].values[0]
+        keys = layer.keys.new_empty(len(caches), heads, longest + room, dim)
+        values = layer.values.new_empty(len(caches), heads, longest + room, layer.values.shape[-1])
+        torch.cat([c.layers[i].keys for c in caches], out=keys[:, :, :n])
+        torch.cat([c.layers[i].values for c in caches], out=values[:, :, :n])
+        keys[:, :, n:longest] = 0  # masked padding: finite, so that a zero weight gives a zero contribution
+        values[:, :, n:longest] = 0  # (the room past it is written before anything attends to it)
         if n < longest:
             h = torch.arange(heads).repeat_interleave(longest - n)
             p = torch.arange(n, longest).repeat(heads)

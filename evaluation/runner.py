@@ -375,8 +375,9 @@ class ReplayEngine:
         """Greedy answers to one question under every press of ``presses``, decoded in batches.
 
         Presses whose compressed caches are equal are decoded once (:func:`cache_fingerprint`, masks included);
-        caches of equal shapes are decoded together, up to ``batch_size`` at a time (:func:`.decoding.greedy_decode`;
-        ``batch_size=1`` gives exactly the pipeline's answers). With ``needles`` (a list of token spans), the
+        caches of equal shapes are decoded together, up to ``batch_size`` at a time (:func:`.decoding.decode_tokens`,
+        the first answer drafting the others unless the engine decodes step by step; ``batch_size=1`` step by step
+        gives exactly the pipeline's answers). With ``needles`` (a list of token spans), the
         needle-attention diagnostic of every press for every span is taken from the answer's first decoding step.
         Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
         attends to), ``masses`` (one per needle, or None).
@@ -388,49 +389,64 @@ class ReplayEngine:
         # fingerprint -> (prediction, rows), kept with the prefill for every question asked of it
         question_key = (tuple(question_ids[0].tolist()), max_new_tokens)
         decoded = state.memo.setdefault(("decoded", *question_key, bool(needles)), {})
+        draft_key = ("draft", *question_key)
         q_len = question_ids.shape[1]
-        order = sorted(range(len(presses)), key=lambda i: _press_sort_key(presses[i]))
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            built = {}
-            for i in chunk:
-                press = presses[i]
-                cache = self.compressed_cache(state, press)
-                masks = self.masks(state, press)
-                built[i] = (cache, masks, (cache_fingerprint(state, cache), _mask_fingerprint(masks)))
-            groups: dict = {}
-            for i in chunk:
-                cache, masks, fp = built[i]
-                if fp not in decoded and all(fp != built[j][2] for j in groups.get(cache_signature(cache), [])):
-                    groups.setdefault(cache_signature(cache), []).append(i)
-            for members in groups.values():
-                rows = {} if needles else None
-                probe = AttentionProbe(self.model, state.inputs, rows) if needles else None
-                # the first answer to this question (the uncompressed one, which sorts first) drafts the others
-                draft = state.memo.get(("draft", *question_key))
-                tokens = decode_tokens(self.model, [built[i][0] for i in members], question_ids,
-                                       state.context_length, max_new_tokens, masks=[built[i][1] for i in members],
-                                       probe=probe, draft=draft, step_by_step=self.step_by_step)
-                if draft is None:
-                    state.memo[("draft", *question_key)] = tokens[0]
-                for j, i in enumerate(members):
-                    own = None
-                    if rows is not None:  # this row's attention, without the padding of shorter layers
-                        cache = built[i][0]
-                        own = {}
-                        for layer, r in rows.items():
-                            n = cache.layers[layer].keys.shape[2]
-                            own[layer] = torch.cat([r[j:j + 1, :, :n], r[j:j + 1, :, r.shape[-1] - q_len:]], dim=-1)
-                    decoded[built[i][2]] = (answer_text(self.tokenizer, tokens[j]), own)
-            for i in chunk:
-                cache, masks, fp = built[i]
+        built: dict = {}  # press index -> (cache, masks, fingerprint), until its answer is known
+        waiting: dict = {}  # cache signature -> press indices whose caches are to be decoded together
+
+        def decode(members):
+            rows = {} if needles else None
+            probe = AttentionProbe(self.model, state.inputs, rows) if needles else None
+            # the first answer to this question (the uncompressed one, which sorts first) drafts the others
+            draft = state.memo.get(draft_key)
+            tokens = decode_tokens(self.model, [built[i][0] for i in members], question_ids, state.context_length,
+                                   max_new_tokens, masks=[built[i][1] for i in members], probe=probe, draft=draft,
+                                   step_by_step=self.step_by_step)
+            state.memo.setdefault(draft_key, tokens[0])
+            for j, i in enumerate(members):
+                own = None
+                if rows is not None:  # this row's attention, without the padding of shorter layers
+                    cache = built[i][0]
+                    own = {}
+                    for layer, r in rows.items():
+                        n = cache.layers[layer].keys.shape[2]
+                        own[layer] = torch.cat([r[j:j + 1, :, :n], r[j:j + 1, :, r.shape[-1] - q_len:]], dim=-1)
+                decoded[built[i][2]] = (answer_text(self.tokenizer, tokens[j]), own)
+            finish()
+
+        def finish():
+            for i in [i for i in built if built[i][2] in decoded]:  # every press whose answer is now known
+                cache, masks, fp = built.pop(i)
                 prediction, rows = decoded[fp]
                 masses = None
                 if needles:
                     masses = [needle_mass(rows, state, presses[i], cache, needle, q_len) for needle in needles]
                 out[i] = {"prediction": prediction, "cache_length": _attended_length(cache, masks),
                           "masses": masses}
-            del built
+
+        # Step by step, the presses are decoded in consecutive chunks of batch_size, each chunk's caches grouped by
+        # shape. Otherwise up to 4 * batch_size caches wait to be grouped by shape, so that batches stay full, and
+        # the first cache is decoded at once: its answer drafts the others'.
+        window = batch_size if self.step_by_step else 4 * batch_size
+        order = sorted(range(len(presses)), key=lambda i: _press_sort_key(presses[i]))
+        for n, i in enumerate(order):
+            cache = self.compressed_cache(state, presses[i])
+            masks = self.masks(state, presses[i])
+            fp = (cache_fingerprint(state, cache), _mask_fingerprint(masks))
+            built[i] = (cache, masks, fp)
+            signature = cache_signature(cache)
+            if fp not in decoded and all(fp != built[j][2] for j in waiting.get(signature, [])):
+                waiting.setdefault(signature, []).append(i)
+                if len(waiting[signature]) == batch_size or (not self.step_by_step and draft_key not in state.memo):
+                    decode(waiting.pop(signature))
+            if self.step_by_step and (n + 1) % batch_size == 0:
+                while waiting:
+                    decode(waiting.pop(next(iter(waiting))))
+            elif len(built) >= window and waiting:
+                decode(waiting.pop(max(waiting, key=lambda k: len(waiting[k]))))
+            finish()
+        while waiting:
+            decode(waiting.pop(next(iter(waiting))))
         return out
 
     @torch.inference_mode()

@@ -192,3 +192,30 @@ def test_kvzip_scorer_press_through_the_pipeline_and_the_replay(model, word_toke
     assert torch.equal(used.scorer.scores, state.memo["kvzip_scores"])
     with pytest.raises(ValueError, match="whole context"):
         PhaseAwarePress(0.5, scorer=KVzipScorer(), decoding=True)
+
+
+@pytest.mark.parametrize("draft", ["none", "own", "wrong_first", "wrong_late", "too_long"])
+def test_fast_decoding_equals_step_by_step(model, word_tokenizer, row, draft):
+    """decode_tokens with and without a draft (right, wrong at the first or a later token, longer than allowed)
+    gives the step-by-step tokens for every row of a batch, masked (KVzip) and padded (PyramidKV) rows included."""
+    from kvpress_phase.evaluation.decoding import decode_tokens
+
+    engine = ReplayEngine(model, word_tokenizer)
+    encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+    state = engine.prefill(encoded["context_ids"])
+    q = encoded["questions_ids"][0]
+    presses = [None, KVzipPress(0.5), KVzipPress(0.25), KnormPress(0.5), KnormPress(0.75), PyramidKVPress(0.5)]
+    caches = [engine.compressed_cache(state, p) for p in presses]
+    masks = [engine.masks(state, p) for p in presses]
+    reference = []
+    for cache, mask in zip(caches, masks):  # one row at a time, step by step
+        reference += decode_tokens(model, [cache], q, state.context_length, 8, masks=[mask], step_by_step=True)
+    own = reference[0]
+    drafts = {"none": None, "own": own, "wrong_first": [own[0] + 1] + own[1:], "too_long": own + own + own,
+              "wrong_late": own[:2] + [own[2] + 1] + own[3:] if len(own) > 3 else own[:-1] + [own[-1] + 1]}
+    for rows in ([0, 1, 2], [2, 0, 1, 1], [3], [4, 4], [5]):  # batches of equal shapes: masked, padded, plain
+        fast = decode_tokens(model, [caches[i] for i in rows], q, state.context_length, 8,
+                             masks=[masks[i] for i in rows], draft=drafts[draft])
+        assert fast == [reference[i] for i in rows]
+    for cache in caches:  # the caches handed in are left as they were
+        assert all(layer.keys.shape[2] <= state.context_length for layer in cache.layers)
