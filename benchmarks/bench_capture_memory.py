@@ -85,12 +85,20 @@ def build(layers: int, intermediate: int, dtype: torch.dtype, vocab: int):
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
+@torch.inference_mode()
+def _pipeline_answer(engine, state, press, question_ids: torch.Tensor, max_new_tokens: int) -> str:
+    """The kvpress pipeline's own greedy answer (``generate_answer``) over ``press``'s replayed cache."""
+    cache = engine.compressed_cache(state, press)
+    return engine.pipe.generate_answer(question_ids=question_ids.to(engine.model.device), cache=cache,
+                                       context_length=state.context_length, max_new_tokens=max_new_tokens)
+
+
 def measure(engine, n: int, layers: int, elt: int, lean: bool, decode: bool) -> dict:
     from kvpress_phase import ChunkedStridePress
 
     vocab = engine.model.config.vocab_size
     ids = torch.randint(4, vocab, (1, n), generator=torch.Generator().manual_seed(n))
-    question = [torch.randint(4, vocab, (1, 16), generator=torch.Generator().manual_seed(1))]
+    question = torch.randint(4, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
     out = {"tokens": n, "layers": layers}
 
     base = _reset_peak()
@@ -102,10 +110,10 @@ def measure(engine, n: int, layers: int, elt: int, lean: bool, decode: bool) -> 
     out["captured_formula"] = capture_formula(n, layers, elt, hidden=True)
     if decode:
         base = _reset_peak()
-        engine.answer(state, None, question, 4)
+        _pipeline_answer(engine, state, None, question, 4)
         out["decode_uncompressed_peak_growth"] = _status("VmHWM") - base
         base = _reset_peak()
-        engine.answer(state, ChunkedStridePress(0.5, stride=8), question, 4)
+        _pipeline_answer(engine, state, ChunkedStridePress(0.5, stride=8), question, 4)
         out["decode_compressed_peak_growth"] = _status("VmHWM") - base
     del state
     if lean:

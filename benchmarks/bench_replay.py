@@ -79,7 +79,8 @@ def main(argv=None) -> int:
         got = {(r.sample_id, r.phase, r.press): r.prediction for r in df.itertuples()}
         return [got[(row["sample_id"], row["phase"], spec.label)] for row, spec in variants]
 
-    def run_engine():  # every variant replayed, one prefill per context
+    @torch.inference_mode()
+    def run_engine():  # every variant replayed, one prefill per context, decoded by the pipeline's generate_answer
         engine = ReplayEngine(model, tokenizer)
         states, answers = {}, []
         for row, spec in variants:
@@ -87,8 +88,11 @@ def main(argv=None) -> int:
             if row["context"] not in states:
                 states.clear()
                 states[row["context"]] = engine.prefill(encoded["context_ids"])
-            answers.append(engine.answer(states[row["context"]], press_for(row, spec), encoded["questions_ids"],
-                                         row["max_new_tokens"])[0][0])
+            state = states[row["context"]]
+            cache = engine.compressed_cache(state, press_for(row, spec))
+            answers.append(engine.pipe.generate_answer(question_ids=encoded["questions_ids"][0].to(model.device),
+                                                       cache=cache, context_length=state.context_length,
+                                                       max_new_tokens=row["max_new_tokens"]))
         return answers
 
     paths = {"one pipeline call per variant": run_pipeline,

@@ -21,8 +21,8 @@ import warnings
 from typing import Optional
 
 from .arguments import MIN_BOOTSTRAP, csv_list, first_line, int_at_least, resolve_device
+from .config import EvalConfig
 from .presses import PRESS_DESCRIPTIONS
-from .runner import EvalConfig
 
 QUICK = EvalConfig(
     tasks=["niah_single", "niah_multikey"],
@@ -203,9 +203,9 @@ def _resolve_device(text: str) -> str:
 
 @contextlib.contextmanager
 def _shard_warnings():
-    """Each warning about a results shard (:class:`~.runner.ShardWarning`: unreadable lines, a torn last line cut
+    """Each warning about a results shard (:class:`~.store.ShardWarning`: unreadable lines, a torn last line cut
     off) as one ``kvpress-phase: warning: ...`` line on stderr, once; other warnings are shown as before."""
-    from .runner import ShardWarning
+    from .store import ShardWarning
 
     shown = set()
     with warnings.catch_warnings():
@@ -317,7 +317,8 @@ def _cmd_eval(args) -> int:
     slow = _dtype_warning(args.dtype, device)
     if slow:
         print(f"kvpress-phase: warning: {slow}", file=sys.stderr)
-    from .runner import distributed_state, output_lock, removed_if_failed_empty
+    from .runner import distributed_state
+    from .store import output_lock, removed_if_failed_empty
 
     rank, _, _ = distributed_state()
     with contextlib.ExitStack() as held:
@@ -348,7 +349,7 @@ def _cmd_report(args) -> int:
     import pandas as pd
 
     from .report import console_table, write_reports
-    from .runner import read_results
+    from .store import read_results
 
     frames = []
     with _shard_warnings():

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from kvpress_phase.evaluation.runner import read_results
+from kvpress_phase.evaluation.store import read_results
 from kvpress_phase.phase import group_bounds, kept_per_window
 
 ROOT = "outputs/study-training"

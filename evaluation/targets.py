@@ -29,7 +29,7 @@ import pandas as pd
 
 from .metrics import boundary_test, phase_matrix, summarize
 from .presses import OUR_PRESSES
-from .runner import read_results
+from .store import read_results
 
 CELL = ["setting", "task", "context_length", "stride", "compression_ratio"]
 

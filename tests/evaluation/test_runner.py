@@ -38,7 +38,7 @@ PRESSES = ["no_press", "chunked_stride", "chunked_stride:mode=select", "phase_aw
 def test_replay_gives_the_pipeline_answers(model, word_tokenizer):
     rows = generate("niah_single", word_tokenizer, n_samples=2, context_length=200, stride=8, phases=[1, 6],
                     protocol="offset", seed=5)
-    engine = ReplayEngine(model, word_tokenizer)
+    engine = ReplayEngine(model, word_tokenizer, step_by_step=True)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=word_tokenizer, device="cpu")
     for row in rows:
         encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
@@ -48,11 +48,12 @@ def test_replay_gives_the_pipeline_answers(model, word_tokenizer):
             for offset in (0, row["offset"]):
                 press_a = build_press(spec, 0.5, 8, None, offset)
                 press_b = build_press(spec, 0.5, 8, None, offset)
-                replayed, replay_cache = engine.answer(state, press_a, encoded["questions_ids"], 6)
+                replayed = engine.answer_many(state, [press_a], encoded["questions_ids"][0], 6, batch_size=1)[0]
+                replay_cache = engine.compressed_cache(state, press_a)
                 cache = DynamicCache()
                 direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"],
                               press=press_b, max_new_tokens=6, cache=cache)["answer"]
-                assert replayed[0] == direct, (text, offset)
+                assert replayed["prediction"] == direct, (text, offset)
                 assert replay_cache.get_seq_length(0) == cache.get_seq_length(0)
 
 
@@ -185,7 +186,7 @@ def test_probe_diagnostic_matches_the_eager_rerun(model, word_tokenizer):
     """The diagnostic the runner takes from the answer's first decoding step equals the stand-alone eager one."""
     from kvpress_phase.evaluation.diagnostics import needle_attention, needle_mass
 
-    engine = ReplayEngine(model, word_tokenizer)
+    engine = ReplayEngine(model, word_tokenizer, step_by_step=True)
     row, encoded, state = _row_state(engine, word_tokenizer)
     needle = (row["needle_token_start"], row["needle_token_end"])
     q = encoded["questions_ids"][0]
@@ -198,14 +199,13 @@ def test_probe_diagnostic_matches_the_eager_rerun(model, word_tokenizer):
         spec = parse_press_spec(text)
         for ratio in (0.25, 0.75):
             press = build_press(spec, ratio, 8, None, 2)
-            rows = {}
-            answers, cache = engine.answer(state, press, encoded["questions_ids"], 4, attention_rows=rows)
-            assert sorted(rows) == sorted(state.inputs)
-            fast = needle_mass(rows, state, press, cache, needle, q.shape[1])
+            recorded = engine.answer_many(state, [press], q, 4, needles=[needle], batch_size=1)[0]
+            fast = recorded["masses"][0]
             reference = needle_attention(engine, state, build_press(spec, ratio, 8, None, 2), q, needle)
             assert fast == pytest.approx(reference, rel=1e-5, abs=1e-7), (text, ratio)
             # recording changes nothing in the answers
-            assert answers == engine.answer(state, build_press(spec, ratio, 8, None, 2), encoded["questions_ids"], 4)[0]
+            plain = engine.answer_many(state, [build_press(spec, ratio, 8, None, 2)], q, 4, batch_size=1)[0]
+            assert recorded["prediction"] == plain["prediction"]
             checked += reference > 0
     assert checked > 5  # not a comparison of zeros
 
@@ -224,7 +224,7 @@ def test_probe_rotation_handles_partial_rotary():
 def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
     from kvpress_phase.evaluation.runner import press_reads
 
-    engine = ReplayEngine(model, word_tokenizer)
+    engine = ReplayEngine(model, word_tokenizer, step_by_step=True)
     lean_presses = ["no_press", "chunked_stride", "chunked_stride:mode=pool", "phase_aware", "keydiff",
                     "phase_aware:scorer=knorm", "phase_aware:budget=window:scorer=knorm",
                     "knorm", "streaming_llm", "chunk"]
@@ -235,10 +235,11 @@ def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
     assert all(hidden.device.type == "meta" for _, hidden, *_ in lean.inputs.values())
     hidden_bytes = sum(h.numel() * h.element_size() for _, h, *_ in full.inputs.values())
     assert full.captured_bytes() - lean.captured_bytes() == hidden_bytes > 0
+    q = encoded["questions_ids"][0]
     for text in lean_presses:
         spec = parse_press_spec(text)
-        a = engine.answer(full, build_press(spec, 0.5, 8, None, 1), encoded["questions_ids"], 6)[0]
-        b = engine.answer(lean, build_press(spec, 0.5, 8, None, 1), encoded["questions_ids"], 6)[0]
+        a = engine.answer_many(full, [build_press(spec, 0.5, 8, None, 1)], q, 6, batch_size=1)[0]["prediction"]
+        b = engine.answer_many(lean, [build_press(spec, 0.5, 8, None, 1)], q, 6, batch_size=1)[0]["prediction"]
         assert a == b, text
     # presses that read the hidden states get them, and a prefill without them refuses such a press
     for text in ("snapkv", "chunkkv", "phase_aware:scorer=snapkv", "chunked_stride:mode=select:scorer=snapkv"):
@@ -248,17 +249,18 @@ def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
 
 
 def test_offloaded_capture_gives_the_same_answers(model, word_tokenizer):
-    engine = ReplayEngine(model, word_tokenizer)
-    offloaded = ReplayEngine(model, word_tokenizer, offload="cpu")
+    engine = ReplayEngine(model, word_tokenizer, step_by_step=True)
+    offloaded = ReplayEngine(model, word_tokenizer, offload="cpu", step_by_step=True)
     row, encoded, state = _row_state(engine, word_tokenizer, phase=5)
     off_state = offloaded.prefill(encoded["context_ids"])
     assert all(layer.keys.shape[2] == 0 for layer in off_state.cache.layers)  # the cache itself holds nothing
     assert off_state.captured_bytes() == state.captured_bytes()
+    q = encoded["questions_ids"][0]
     for text in PRESSES:
         spec = parse_press_spec(text)
-        a, cache_a = engine.answer(state, build_press(spec, 0.5, 8, None, 2), encoded["questions_ids"], 6)
-        b, cache_b = offloaded.answer(off_state, build_press(spec, 0.5, 8, None, 2), encoded["questions_ids"], 6)
-        assert a == b and cache_a.get_seq_length(0) == cache_b.get_seq_length(0), text
+        a = engine.answer_many(state, [build_press(spec, 0.5, 8, None, 2)], q, 6, batch_size=1)[0]
+        b = offloaded.answer_many(off_state, [build_press(spec, 0.5, 8, None, 2)], q, 6, batch_size=1)[0]
+        assert a["prediction"] == b["prediction"] and a["cache_length"] == b["cache_length"], text
     with pytest.raises(ValueError, match="offload"):
         ReplayEngine(model, word_tokenizer, offload="disk")
 
@@ -301,16 +303,3 @@ def test_run_evaluation_gives_the_pipeline_answers(model, word_tokenizer, tmp_pa
                           press=build_press(spec, 0.5, 4, None, offset), max_new_tokens=row["max_new_tokens"])
             assert got[(row["phase"], spec.label)] == direct["answer"], (row["phase"], text)
     assert results["needle_attention_ratio"].notna().all()
-
-
-def test_reused_caches_give_the_same_diagnostic_with_or_without_kept_rows(model, word_tokenizer, tmp_path,
-                                                                         monkeypatch):
-    from kvpress_phase.evaluation import runner
-
-    config = _config(presses=["chunked_stride", "phase_aware"], protocol="offset", samples=1, context_lengths=[160])
-    kept = run_evaluation(config, model, word_tokenizer, str(tmp_path / "kept"), progress=False)
-    monkeypatch.setattr(runner, "KEPT_ROWS_BYTES", 0)
-    recomputed = run_evaluation(config, model, word_tokenizer, str(tmp_path / "recomputed"), progress=False)
-    assert kept[["key", "prediction"]].equals(recomputed[["key", "prediction"]])
-    assert kept["needle_attention"].notna().all()
-    assert kept["needle_attention"].tolist() == pytest.approx(recomputed["needle_attention"].tolist(), rel=1e-6)

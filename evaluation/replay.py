@@ -1,0 +1,419 @@
+"""Prefill once, replay every compression: the recorded prefill and the engine that compresses and decodes it.
+
+kvpress compression changes only the cache, so a context is prefilled once with a capturing press that records, for
+every hooked attention layer, the arguments kvpress would hand to ``press.compress`` (only the optional inputs the
+presses under test read, :func:`press_reads`; on the CPU with ``offload="cpu"``). :class:`ReplayEngine` applies any
+press to the recorded inputs and decodes the questions over the compressed caches, once per distinct cache
+(:func:`cache_fingerprint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+from kvpress import BasePress, KVPressTextGenerationPipeline
+
+HIDDEN_STATES, ATTENTIONS = "hidden_states", "attentions"
+OFFLOAD_CHOICES = (None, "cpu")
+
+
+def press_reads(press: Optional[BasePress]) -> frozenset:
+    """Which optional compress inputs ``press`` reads: a subset of ``{"hidden_states", "attentions"}``.
+
+    Keys, values and the layer's kwargs are always recorded. Only presses known to ignore the hidden states and the
+    attention weights are listed here; any other press is assumed to read both, so nothing it needs is dropped.
+    """
+    from kvpress import ChunkKVPress, ChunkPress, KeyDiffPress, KnormPress, StreamingLLMPress
+
+    from kvpress_phase.presses import WindowedPress
+
+    from kvpress_phase.presses.scorers import KVzipScorer
+
+    if press is None or type(press) in (KnormPress, KeyDiffPress, StreamingLLMPress, KVzipScorer):
+        return frozenset()
+    if type(press) in (ChunkPress, ChunkKVPress):  # they assert that no attention weights are passed
+        return frozenset({ATTENTIONS}) | press_reads(press.press)
+    if isinstance(press, WindowedPress):  # keys, values and the scorer's inputs
+        return press_reads(press.scorer)
+    return frozenset({HIDDEN_STATES, ATTENTIONS})
+
+
+def _not_captured(tensor: torch.Tensor) -> torch.Tensor:
+    """A stand-in with ``tensor``'s shape and dtype and no data: any computation with it fails loudly."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+@dataclass
+class _CapturePress(BasePress):
+    """Records what kvpress hands to ``compress`` on every hooked layer, and compresses nothing.
+
+    ``reads`` names the optional inputs to keep (hidden states, attention weights); the others are replaced by
+    data-less stand-ins. With ``offload`` set, the recorded keys, values and hidden states are moved to that device
+    and the layer's cache entry is emptied, so the prefill holds at most one layer's keys and values at a time.
+    """
+
+    inputs: dict = field(default_factory=dict)
+    reads: frozenset = frozenset({HIDDEN_STATES, ATTENTIONS})
+    offload: Optional[str] = None
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        hidden = hidden_states if HIDDEN_STATES in self.reads else _not_captured(hidden_states)
+        attentions = attentions if ATTENTIONS in self.reads else None
+        if self.offload is not None and hidden.device.type != "meta":
+            hidden = hidden.to(self.offload)
+        kept = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+        if "hidden_states" in kept:  # the same tensor as ``hidden_states``: keep only what is recorded
+            kept["hidden_states"] = hidden
+        if self.offload is None:
+            self.inputs[module.layer_idx] = (module, hidden, keys, values, attentions, kept)
+            return keys, values
+        attentions = attentions.to(self.offload) if attentions is not None else None
+        self.inputs[module.layer_idx] = (module, hidden, keys.to(self.offload), values.to(self.offload), attentions,
+                                         kept)
+        return keys[:, :, :0].clone(), values[:, :, :0].clone()  # the layer's entries now live on self.offload
+
+
+@dataclass
+class Prefill:
+    """One prefilled context: its token count, its full cache, and the recorded compress inputs.
+
+    ``reads`` lists the optional inputs that were recorded; with ``offload`` the recorded tensors live on that
+    device and ``cache`` holds no entries for the recorded layers.
+    """
+
+    context_length: int
+    cache: object
+    inputs: dict
+    reads: frozenset = frozenset({HIDDEN_STATES, ATTENTIONS})
+    offload: Optional[str] = None
+    memo: dict = field(default_factory=dict, repr=False)
+    context_ids: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def captured_bytes(self) -> int:
+        """Bytes held by the recorded tensors and the cache (each storage counted once)."""
+        seen, total = set(), 0
+
+        def add(t):
+            nonlocal total
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                key = (t.device, t.untyped_storage().data_ptr())
+                if key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+            elif isinstance(t, (tuple, list)):
+                for x in t:
+                    add(x)
+            elif isinstance(t, dict):
+                for x in t.values():
+                    add(x)
+
+        for _, hidden, keys, values, attentions, kwargs in self.inputs.values():
+            add((hidden, keys, values, attentions, kwargs))
+        for layer in self.cache.layers:
+            add((getattr(layer, "keys", None), getattr(layer, "values", None)))
+        return total
+
+
+class ReplayEngine:
+    """Prefill a context once; answer questions under any press from the recorded compress inputs.
+
+    ``offload="cpu"`` keeps the recorded tensors on the CPU: the model's device then holds, besides the weights, one
+    layer's uncompressed keys and values at a time and the compressed cache being decoded (see the README's memory
+    section). ``step_by_step=True`` decodes every answer token by token over a growing ``DynamicCache`` (the
+    reference path of :func:`.decoding.decode_tokens`) instead of checking drafts in cache buffers allocated once.
+    """
+
+    def __init__(self, model, tokenizer, offload: Optional[str] = None, step_by_step: bool = False):
+        if offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.offload = offload
+        self.step_by_step = step_by_step
+        self.pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=model.device)
+
+    def encode(self, context: str, questions: list[str], answer_prefix: str = ""):
+        max_len = min(self.tokenizer.model_max_length, int(1e10))
+        return self.pipe.preprocess(context, questions, answer_prefix, max_len)
+
+    def shared_prefill(self, context_ids: torch.Tensor, presses: Optional[Iterable] = None) -> Prefill:
+        """:meth:`prefill`, reusing the last prefill when it was of the same tokens and recorded what ``presses``
+        read (the offset protocol's text does not depend on the stride, so a sweep over strides prefills, scores and
+        decodes the uncompressed control once per context). One prefill is kept."""
+        reads = frozenset({HIDDEN_STATES, ATTENTIONS}) if presses is None else \
+            frozenset().union(*[press_reads(p) for p in presses])
+        last = getattr(self, "_last_prefill", None)
+        if last is not None and reads <= last.reads and torch.equal(last.context_ids, context_ids):
+            return last
+        self._last_prefill = None  # free it before the next prefill
+        self._last_prefill = self.prefill(context_ids, presses)
+        return self._last_prefill
+
+    @torch.inference_mode()
+    def prefill(self, context_ids: torch.Tensor, presses: Optional[Iterable] = None) -> Prefill:
+        """Prefill ``context_ids`` and record the compress inputs that ``presses`` read (all of them when None)."""
+        from transformers import DynamicCache
+
+        reads = frozenset({HIDDEN_STATES, ATTENTIONS}) if presses is None else \
+            frozenset().union(*[press_reads(p) for p in presses])
+        capture = _CapturePress(reads=reads, offload=self.offload)
+        cache = DynamicCache()
+        with capture(self.model):
+            self.model.model(input_ids=context_ids.to(self.model.device), past_key_values=cache)
+        return Prefill(context_ids.shape[1], cache, capture.inputs, reads, self.offload, context_ids=context_ids)
+
+    @torch.inference_mode()
+    def compressed_cache(self, state: Prefill, press: Optional[BasePress]):
+        """A cache holding ``press``'s compression of ``state`` (the original tensors are not modified).
+
+        For a press that masks instead of removing (kvpress's ``KVzipPress``) the cache is the full one; its masks
+        are :meth:`masks`."""
+        if _is_kvzip(press):
+            return self.compressed_cache(state, None)
+        missing = press_reads(press) - state.reads
+        if missing:
+            raise ValueError(
+                f"{type(press).__name__} reads {', '.join(sorted(missing))}, which this prefill did not record; "
+                "pass the press to prefill(..., presses=[...])"
+            )
+        cache = copy.copy(state.cache)
+        cache.layers = [copy.copy(layer) for layer in state.cache.layers]
+        if press is None and state.offload is None:
+            return cache
+        if press is not None:
+            press.post_init_from_model(self.model)
+            if getattr(getattr(press, "scorer", None), "needs_context", False):  # KVzipScorer: once per prefill
+                press.scorer.scores = self._kvzip_scores(state)
+        device = self.model.device
+        with _shared_scores(press, state):
+            self._compress_layers(state, press, cache, device)
+        return cache
+
+    def _compress_layers(self, state: Prefill, press, cache, device) -> None:
+        for layer_idx, (module, hidden, keys, values, attentions, kwargs) in state.inputs.items():
+            if state.offload is not None:  # bring one layer back at a time
+                hidden, keys, values, attentions = [
+                    t.to(device) if t is not None and t.device.type != "meta" else t
+                    for t in (hidden, keys, values, attentions)
+                ]
+                if "hidden_states" in kwargs:
+                    kwargs = {**kwargs, "hidden_states": hidden}
+            if press is None:
+                new_keys, new_values = keys, values
+            else:
+                new_keys, new_values = press.compress(module, hidden, keys, values, attentions, kwargs)
+            cache.layers[layer_idx].keys = new_keys
+            cache.layers[layer_idx].values = new_values
+
+    def masks(self, state: Prefill, press: Optional[BasePress]):
+        """The entries ``press`` masks in ``state``'s cache while decoding (:data:`.decoding.Masks`), or None for
+        a press that removes entries. KVzip's scores are computed once per prefill and reused for every ratio."""
+        if not _is_kvzip(press) or press.compression_ratio == 0:
+            return None
+        from .decoding import kvzip_masks
+        return kvzip_masks(self.model, self._kvzip_scores(state), press.compression_ratio)
+
+    def _kvzip_scores(self, state: Prefill) -> torch.Tensor:
+        """KVzip's reconstruction scores of ``state``'s context, computed once per prefill (they serve kvpress's
+        ``KVzipPress`` at every ratio and our presses' ``KVzipScorer``)."""
+        from .decoding import kvzip_scores
+
+        if state.offload is not None:
+            raise ValueError("KVzip replays the context over the full cache, which offload='cpu' does not keep")
+        if "kvzip_scores" not in state.memo:
+            state.memo["kvzip_scores"] = kvzip_scores(self.model, self.tokenizer, state.context_ids, state.cache)
+        return state.memo["kvzip_scores"]
+
+    @torch.inference_mode()
+    def answer_many(self, state: Prefill, presses: list, question_ids: torch.Tensor, max_new_tokens: int, *,
+                    needles: Optional[list] = None, batch_size: int = 16) -> list[dict]:
+        """Greedy answers to one question under every press of ``presses``, decoded in batches.
+
+        Presses whose compressed caches are equal are decoded once (:func:`cache_fingerprint`, masks included);
+        caches of equal shapes are decoded together, up to ``batch_size`` at a time (:func:`.decoding.decode_tokens`,
+        the first answer drafting the others unless the engine decodes step by step; ``batch_size=1`` step by step
+        gives exactly the pipeline's answers). With ``needles`` (a list of token spans), the
+        needle-attention diagnostic of every press for every span is taken from the answer's first decoding step.
+        Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
+        attends to), ``masses`` (one per needle, or None).
+        """
+        from .decoding import answer_text, cache_signature, decode_tokens
+        from .diagnostics import AttentionProbe, needle_mass
+
+        out: list = [None] * len(presses)
+        # fingerprint -> (prediction, rows), kept with the prefill for every question asked of it
+        question_key = (tuple(question_ids[0].tolist()), max_new_tokens)
+        decoded = state.memo.setdefault(("decoded", *question_key, bool(needles)), {})
+        draft_key = ("draft", *question_key)
+        q_len = question_ids.shape[1]
+        built: dict = {}  # press index -> (cache, masks, fingerprint), until its answer is known
+        waiting: dict = {}  # cache signature -> press indices whose caches are to be decoded together
+
+        def decode(members):
+            rows = {} if needles else None
+            probe = AttentionProbe(self.model, state.inputs, rows) if needles else None
+            # the first answer to this question (the uncompressed one, which sorts first) drafts the others
+            draft = state.memo.get(draft_key)
+            tokens = decode_tokens(self.model, [built[i][0] for i in members], question_ids, state.context_length,
+                                   max_new_tokens, masks=[built[i][1] for i in members], probe=probe, draft=draft,
+                                   step_by_step=self.step_by_step)
+            state.memo.setdefault(draft_key, tokens[0])
+            for j, i in enumerate(members):
+                own = None
+                if rows is not None:  # this row's attention, without the padding of shorter layers
+                    cache = built[i][0]
+                    own = {}
+                    for layer, r in rows.items():
+                        n = cache.layers[layer].keys.shape[2]
+                        own[layer] = torch.cat([r[j:j + 1, :, :n], r[j:j + 1, :, r.shape[-1] - q_len:]], dim=-1)
+                decoded[built[i][2]] = (answer_text(self.tokenizer, tokens[j]), own)
+            finish()
+
+        def finish():
+            for i in [i for i in built if built[i][2] in decoded]:  # every press whose answer is now known
+                cache, masks, fp = built.pop(i)
+                prediction, rows = decoded[fp]
+                masses = None
+                if needles:
+                    masses = [needle_mass(rows, state, presses[i], cache, needle, q_len) for needle in needles]
+                out[i] = {"prediction": prediction, "cache_length": _attended_length(cache, masks),
+                          "masses": masses}
+
+        # Step by step, the presses are decoded in consecutive chunks of batch_size, each chunk's caches grouped by
+        # shape. Otherwise up to 4 * batch_size caches wait to be grouped by shape, so that batches stay full, and
+        # the first cache is decoded at once: its answer drafts the others'.
+        window = batch_size if self.step_by_step else 4 * batch_size
+        order = sorted(range(len(presses)), key=lambda i: _press_sort_key(presses[i]))
+        for n, i in enumerate(order):
+            cache = self.compressed_cache(state, presses[i])
+            masks = self.masks(state, presses[i])
+            fp = (cache_fingerprint(state, cache), _mask_fingerprint(masks))
+            built[i] = (cache, masks, fp)
+            signature = cache_signature(cache)
+            if fp not in decoded and all(fp != built[j][2] for j in waiting.get(signature, [])):
+                waiting.setdefault(signature, []).append(i)
+                if len(waiting[signature]) == batch_size or (not self.step_by_step and draft_key not in state.memo):
+                    decode(waiting.pop(signature))
+            if self.step_by_step and (n + 1) % batch_size == 0:
+                while waiting:
+                    decode(waiting.pop(next(iter(waiting))))
+            elif len(built) >= window and waiting:
+                decode(waiting.pop(max(waiting, key=lambda k: len(waiting[k]))))
+            finish()
+        while waiting:
+            decode(waiting.pop(next(iter(waiting))))
+        return out
+
+    @torch.inference_mode()
+    def attention_rows(self, state: Prefill, press: Optional[BasePress], question_ids: torch.Tensor,
+                       cache=None) -> tuple:
+        """The question's last-token attention rows over ``press``'s cache (and the cache), from one forward of the
+        question without decoding."""
+        from .diagnostics import AttentionProbe
+
+        cache = cache if cache is not None else self.compressed_cache(state, press)
+        lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+        rows: dict = {}
+        positions = torch.arange(state.context_length, state.context_length + question_ids.shape[1],
+                                 device=self.model.device)[None]
+        with AttentionProbe(self.model, state.inputs, rows):
+            self.model.model(input_ids=question_ids.to(self.model.device), past_key_values=cache,
+                             position_ids=positions)
+        self.pipe._remove_answer_from_cache(cache, lengths)
+        return rows, cache
+
+
+def cache_fingerprint(state: Prefill, cache) -> tuple:
+    """A key that differs between compressed caches that differ in any recorded layer's entries.
+
+    Per recorded layer: the shapes of keys and values and, for each, the sum over entries of a random projection in
+    float64 weighted by random per-entry weights (a one-ulp change of one element moves it by many ulps of the
+    sum). Two caches with equal keys decode every question identically.
+    """
+    if "fingerprint_vectors" not in state.memo:
+        g = torch.Generator().manual_seed(1234)
+        state.memo["fingerprint_vectors"] = {}
+        state.memo["fingerprint_generator"] = g
+    vectors, g = state.memo["fingerprint_vectors"], state.memo["fingerprint_generator"]
+    sums, shapes = [], []
+    for layer_idx in state.inputs:
+        for t in (cache.layers[layer_idx].keys, cache.layers[layer_idx].values):
+            n, d = t.shape[-2], t.shape[-1]
+            if (n, d) not in vectors:
+                vectors[(n, d)] = (torch.randn(d, generator=g, dtype=torch.float64).to(t.device),
+                                   torch.randn(n, generator=g, dtype=torch.float64).to(t.device))
+            r, w = vectors[(n, d)]
+            sums.append(((t.double() @ r) * w).sum())
+            shapes.append(tuple(t.shape))
+    return tuple(shapes), tuple(torch.stack(sums).tolist()) if sums else ()
+
+
+@contextlib.contextmanager
+def _shared_scores(press, state: Prefill):
+    """While ``press`` compresses ``state``, its scorer's scores of a whole recorded layer are computed once per
+    prefill and scorer configuration and reused (they depend on neither the ratio nor the grid offset): SnapKV,
+    expected-attention and the like cost more than the compression itself, and a sweep compresses one context at
+    every ratio, stride and offset. Scores of parts of a layer (kvpress's chunk presses) and random scores are not
+    shared."""
+    from kvpress import ScorerPress
+
+    from kvpress_phase.presses import WindowedPress
+
+    scorer = press.scorer if isinstance(press, WindowedPress) else press
+    if (not isinstance(scorer, ScorerPress) or type(scorer).__name__ == "RandomPress" or "score" in vars(scorer)
+            or getattr(scorer, "needs_context", False)):  # KVzipScorer: its scores are already per prefill
+        yield
+        return
+    settings = tuple((f.name, repr(getattr(scorer, f.name))) for f in dataclasses.fields(scorer)
+                     if f.name != "compression_ratio" and f.compare)
+    memo = state.memo.setdefault("scores", {})
+    recorded = {id(entry[2]): layer for layer, entry in state.inputs.items()}
+    original = scorer.score
+
+    def score(module, hidden_states, keys, values, attentions, kwargs):
+        layer = recorded.get(id(keys))
+        if layer is None or state.inputs[layer][2] is not keys:  # a part of a layer: not shared
+            return original(module, hidden_states, keys, values, attentions, kwargs)
+        key = (type(scorer).__name__, settings, layer)
+        if key not in memo:
+            memo[key] = original(module, hidden_states, keys, values, attentions, kwargs)
+        return memo[key].clone()  # a press may work on its scores in place
+
+    scorer.score = score
+    try:
+        yield
+    finally:
+        del scorer.score
+
+
+def _is_kvzip(press) -> bool:
+    from kvpress import KVzipPress
+
+    return isinstance(press, KVzipPress)
+
+
+def _mask_fingerprint(masks) -> tuple:
+    if not masks:
+        return ()
+    return tuple((layer, int(h.numel()), int((h.long() * 100003 + s.long()).sum())) for layer, (h, s) in
+                 sorted(masks.items()))
+
+
+def _attended_length(cache, masks) -> float:
+    """Mean over layers and KV heads of the cache entries decoding attends to (masked entries not counted)."""
+    total, slots = 0, 0
+    for idx, layer in enumerate(cache.layers):
+        batch, heads, n = layer.keys.shape[:3]
+        total += batch * heads * n - (int(masks[idx][0].numel()) if masks and idx in masks else 0)
+        slots += batch * heads
+    return total / max(slots, 1)
+
+
+def _press_sort_key(press) -> tuple:
+    """Order in which presses are compressed and decoded: presses of one ratio together (equal cache shapes)."""
+    return (float(getattr(press, "compression_ratio", 0.0) or 0.0), type(press).__name__)
