@@ -10,7 +10,8 @@ import torch
 torch.set_num_threads(1)
 
 from kvpress_phase.evaluation.tasks import vocab  # noqa: E402
-from kvpress_phase.evaluation.tokenizer import build_tokenizer  # noqa: E402
+from kvpress_phase.evaluation.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|user|>\n{{ m['content'] }}\n{% endfor %}"
@@ -67,3 +68,13 @@ def bpe_chat_tokenizer():
 @pytest.fixture(scope="session")
 def tokenizers_by_name(word_tokenizer, bpe_tokenizer, bpe_chat_tokenizer):
     return {"word": word_tokenizer, "bpe": bpe_tokenizer, "bpe_chat": bpe_chat_tokenizer}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A folder holding a tiny random-weight Llama and the built-in word-level tokenizer."""
+    path = tmp_path_factory.mktemp("model")
+    tok = build_tokenizer()
+    tiny_model("llama", vocab_size=len(tok)).save_pretrained(path)
+    save_tokenizer(tok, str(path))
+    return str(path)

@@ -10,16 +10,7 @@ import pytest
 from kvpress_phase.evaluation import cli
 from kvpress_phase.evaluation.runner import EvalConfig
 from kvpress_phase.evaluation.tokenizer import save_tokenizer, build_tokenizer
-from tiny_models import tiny_model
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    tok = build_tokenizer()
-    tiny_model("llama", vocab_size=len(tok)).save_pretrained(path)
-    save_tokenizer(tok, str(path))
-    return str(path)
 
 
 def test_list_names_every_task_and_press(capsys):

@@ -13,19 +13,9 @@ import pytest
 from kvpress_phase.evaluation import cli
 from kvpress_phase.evaluation.runner import (RESULTS_DIR, ShardWarning, lock_path, read_results,
                                              removed_if_failed_empty)
-from kvpress_phase.evaluation.tokenizer import build_tokenizer, save_tokenizer
-from tiny_models import tiny_model
 
 N_RECORDS = 2 * 4 * 2  # samples x phases x presses
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model")
-    tok = build_tokenizer()
-    tiny_model("llama", vocab_size=len(tok)).save_pretrained(path)
-    save_tokenizer(tok, str(path))
-    return str(path)
 
 
 def _eval_args(model_dir, out):
