@@ -157,7 +157,8 @@ def _hub_problem(name: str) -> Optional[str]:
                                         RevisionNotFoundError)
     from huggingface_hub.utils import validate_repo_id
 
-    from kvpress_phase.evaluation.arguments import first_line
+    def first_line(exc: Exception) -> str:
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
     try:
         validate_repo_id(name)
