@@ -1,7 +1,8 @@
 """Presses by name: ours and the kvpress baselines, built at a matched compression ratio.
 
 A press spec is a registered name, optionally followed by ``:key=value`` settings for our presses, e.g.
-``phase_aware:stagger=none:overlap=false`` (used for ablations). Values are parsed as ints, floats,
+``phase_aware:stagger=none:overlap=false`` (used for ablations), or a ``scorer=`` for kvpress's chunk wrappers
+(``chunk:scorer=keydiff``). Values are parsed as ints, floats,
 ``true``/``false`` or strings.
 """
 
@@ -17,8 +18,8 @@ PRESS_DESCRIPTIONS = {
     "snapkv": "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
     "knorm": "kvpress KnormPress (key norm)",
     "streaming_llm": "kvpress StreamingLLMPress (sink + recent tokens)",
-    "chunkkv": "kvpress ChunkKVPress(SnapKVPress) with chunks of stride tokens",
-    "chunk": "kvpress ChunkPress(KnormPress) with chunks of stride tokens",
+    "chunkkv": "kvpress ChunkKVPress(SnapKVPress) with chunks of stride tokens (:scorer=NAME wraps another scorer)",
+    "chunk": "kvpress ChunkPress(KnormPress) with chunks of stride tokens (:scorer=NAME wraps another scorer)",
     "expected_attention": "kvpress ExpectedAttentionPress (attention expected from future queries, extrapolated from the last hidden states)",
     "tova": "kvpress TOVAPress (attention of the last prefill token)",
     "keydiff": "kvpress KeyDiffPress (keys least similar to the mean key)",
@@ -34,12 +35,25 @@ MASKING_PRESSES = {"kvzip"}
 so their cache is not shorter: their cache length is reported as the entries left unmasked."""
 OUR_PRESSES = ("chunked_stride", "phase_aware")
 
+CHUNK_PRESSES = {"chunk": "knorm", "chunkkv": "snapkv"}
+"""kvpress's chunk wrappers (``ChunkPress``, ``ChunkKVPress``; chunks of ``stride`` tokens from the first token) and
+their default scorer. ``chunk:scorer=keydiff`` wraps another scorer of
+:data:`~kvpress_phase.presses.scorers.SCORERS` (the phase audit of kvpress's chunked presses runs them this way)."""
+
+CHUNK_SCORERS = ("knorm", "keydiff", "snapkv", "tova", "expected_attention")
+"""Scorers a chunk wrapper accepts by name (KVzip scores whole contexts, not chunks; random scores are no baseline)."""
+
+QUESTION_SCORERS = {"snapkv", "tova", "expected_attention"}
+"""Scorer names whose scores read the last prefill tokens, hence the question under ``--query-aware``."""
+
 
 def reads_question(spec: "PressSpec") -> bool:
     """Whether the press ``spec`` sees the question when it is compressed with the context: the kvpress presses of
     :data:`QUESTION_READERS`, and ours when their scores do (a question-aware ``scorer=`` such as SnapKV's, for
     ``PhaseAwarePress`` or for selection and score weighting in ``ChunkedStridePress``; the defaults' KeyDiff scores do
     not read it)."""
+    if spec.name in CHUNK_PRESSES:
+        return dict(spec.options).get("scorer", CHUNK_PRESSES[spec.name]) in QUESTION_SCORERS
     if spec.name in QUESTION_READERS:
         return True
     if spec.name not in OUR_PRESSES:
@@ -82,7 +96,11 @@ def parse_press_spec(text: str) -> PressSpec:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"press setting {item!r} in {text!r} must look like key=value")
-        if name not in OUR_PRESSES:
+        if name in CHUNK_PRESSES:
+            if key != "scorer" or value not in CHUNK_SCORERS:
+                raise ValueError(f"press {name!r} takes only scorer=NAME with NAME one of {', '.join(CHUNK_SCORERS)} "
+                                 f"(got {item!r})")
+        elif name not in OUR_PRESSES:
             raise ValueError(f"press {name!r} takes no settings (got {item!r})")
         if key == "decoding":
             raise ValueError(
@@ -118,11 +136,15 @@ def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: 
     from kvpress import (ChunkKVPress, ChunkPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, PyramidKVPress,
                          SnapKVPress, StreamingLLMPress, TOVAPress)
 
-    from kvpress_phase.presses.scorers import quiet_kvzip_press
+    from kvpress_phase.presses.scorers import SCORERS, quiet_kvzip_press
 
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
 
     options = dict(spec.options)  # our presses build a scorer= name from kvpress_phase.presses.scorers.SCORERS
+
+    def chunk_scorer(default):  # the scorer a chunk wrapper wraps: its default, or scorer=NAME
+        return SCORERS[options["scorer"]](base_ratio) if "scorer" in options else default(base_ratio)
+
     base_ratio = compression_ratio
     if matched_context_length is not None and spec.name not in OUR_PRESSES and compression_ratio > 0:
         base_ratio = matched_ratio(matched_context_length, stride, compression_ratio)
@@ -137,8 +159,8 @@ def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: 
         "snapkv": lambda: SnapKVPress(base_ratio),
         "knorm": lambda: KnormPress(base_ratio),
         "streaming_llm": lambda: StreamingLLMPress(base_ratio),
-        "chunkkv": lambda: ChunkKVPress(press=SnapKVPress(base_ratio), chunk_length=stride),
-        "chunk": lambda: ChunkPress(press=KnormPress(base_ratio), chunk_length=stride),
+        "chunkkv": lambda: ChunkKVPress(press=chunk_scorer(SnapKVPress), chunk_length=stride),
+        "chunk": lambda: ChunkPress(press=chunk_scorer(KnormPress), chunk_length=stride),
         "expected_attention": lambda: ExpectedAttentionPress(base_ratio),
         "tova": lambda: TOVAPress(base_ratio),
         "keydiff": lambda: KeyDiffPress(base_ratio),

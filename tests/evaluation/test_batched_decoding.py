@@ -112,7 +112,7 @@ def test_kvzip_replay_masks_what_kvpress_masks(model, word_tokenizer, row, monke
 
 
 def test_every_registered_press_runs_at_a_matched_cache(model, word_tokenizer, tmp_path):
-    presses = list(PRESS_DESCRIPTIONS)
+    presses = list(PRESS_DESCRIPTIONS) + ["chunk:scorer=keydiff"]
     config = EvalConfig(tasks=["niah_single"], presses=presses, compression_ratios=[0.5], strides=[8],
                         context_lengths=[160], samples=1, seed=4, phases=[0, 5], protocol="offset",
                         matched_cache=True)
@@ -123,7 +123,7 @@ def test_every_registered_press_runs_at_a_matched_cache(model, word_tokenizer, t
         length = group["cache_length"].iloc[0]
         if name == "no_press":
             assert length == group["prefill_tokens"].iloc[0]
-        elif name in ("chunkkv", "chunk"):  # matched to their granularity only: 0-16 entries fewer than ours
+        elif name.startswith(("chunkkv", "chunk")):  # matched to their granularity only: 0-16 entries fewer than ours
             assert ours - 16 <= length <= ours
         else:  # exactly ours; KVzip and PyramidKV over all layers (and heads), to within half an entry per head
             assert length == pytest.approx(ours, abs=0.5), name
@@ -160,6 +160,25 @@ def test_question_readers():
     assert not reads_question(parse_press_spec("knorm")) and not reads_question(parse_press_spec("kvzip"))
     assert not reads_question(parse_press_spec("chunked_stride:mode=select"))
     assert reads_question(parse_press_spec("chunked_stride:mode=select:scorer=snapkv"))
+
+
+def test_chunk_wrappers_take_a_scorer_by_name():
+    """kvpress's chunk wrappers with another scorer (the phase audit of kvpress's chunked presses): built from the
+    shared scorer table at the matched ratio, chunks of ``stride`` tokens; other settings are refused."""
+    from kvpress import ChunkKVPress, ChunkPress, KeyDiffPress, KnormPress, SnapKVPress
+
+    press = build_press(parse_press_spec("chunk:scorer=keydiff"), 0.25, 20, None, 0, matched_context_length=1024)
+    assert type(press) is ChunkPress and type(press.press) is KeyDiffPress and press.chunk_length == 20
+    assert press.press.compression_ratio == build_press(parse_press_spec("knorm"), 0.25, 20, None, 0,
+                                                        matched_context_length=1024).compression_ratio
+    default = build_press(parse_press_spec("chunkkv"), 0.25, 8, None, 0)
+    assert type(default) is ChunkKVPress and type(default.press) is SnapKVPress
+    assert type(build_press(parse_press_spec("chunkkv:scorer=knorm"), 0.25, 8, None, 0).press) is KnormPress
+    assert not reads_question(parse_press_spec("chunk:scorer=keydiff"))
+    assert reads_question(parse_press_spec("chunk:scorer=tova")) and not reads_question(parse_press_spec("chunk"))
+    for bad in ("chunk:scorer=kvzip", "chunk:chunk_length=8", "chunkkv:scorer=nope", "knorm:scorer=keydiff"):
+        with pytest.raises(ValueError, match="scorer=NAME|takes no settings"):
+            parse_press_spec(bad)
 
 
 def test_duplicate_k_is_refused_unless_allowed():
