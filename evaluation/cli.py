@@ -56,6 +56,7 @@ EXAMPLES = """examples:
   kvpress-phase eval      quick phase sweep on the built-in model (about a minute on 2 CPU cores)
   kvpress-phase eval --tasks niah_single,qa_single_doc --strides 4,8,16 --compression-ratios 0.5,0.75 \\
       --output-dir outputs/sweep
+  kvpress-phase audit chunkkv,chunk:scorer=keydiff --model smollm2 --output-dir outputs/audit
   kvpress-phase report outputs/sweep outputs/phase-eval --output-dir outputs/merged
   kvpress-phase list      task, press and model names the flags accept
   kvpress-phase train --recipe chunked --output-dir outputs/models/chunked
@@ -64,10 +65,18 @@ Run kvpress-phase COMMAND --help for the options of a command. Bad input exits w
 message; train --max-minutes exits with code 3 when it pauses (rerun the same command to resume)."""
 
 
+AUDIT_DESCRIPTION = """Phase audit of any press: an eval preset that places the needle at every phase of a grid of L tokens
+anchored at the prefill's first token (the prefix protocol: kvpress's chunk wrappers cut their chunks there), runs
+the presses given beside no compression and ChunkedStridePress in both modes at the same cache length, and reports
+per press and cell the phase test, the cross-fitted gap with its CI, the weakest phases and the boundary phase.
+It prints the equivalent `kvpress-phase eval` command, which the results record."""
+AUDIT_REFERENCE = ["chunked_stride", "chunked_stride:mode=pool"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvpress-phase", description=DESCRIPTION, epilog=EXAMPLES,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{eval,report,list,train}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{eval,audit,report,list,train}", parser_class=_Parser)
     sub.required = True
 
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
@@ -143,6 +152,33 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--output-dir", required=True, help="where the merged report goes")
     rp.add_argument("--bootstrap", type=int_at_least(MIN_BOOTSTRAP, "--bootstrap"), default=2000,
                     help=f"bootstrap resamples for fractional scores, >= {MIN_BOOTSTRAP} (default: 2000)")
+
+    au = sub.add_parser("audit", help="phase audit of any press: does its accuracy depend on where the needle falls "
+                                      "in its chunks?", description=AUDIT_DESCRIPTION,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    au.add_argument("presses", type=csv_list(str, "presses"),
+                    help="comma-separated press specs to audit (see `kvpress-phase list`), e.g. "
+                         "chunkkv,chunk,chunk:scorer=keydiff")
+    au.add_argument("--chunk-lengths", type=csv_list(int, "--chunk-lengths"), default=[8, 20, 32],
+                    help="comma-separated chunk lengths L: each is a grid of L phases anchored at the first token, "
+                         "and kvpress's chunk wrappers and our presses run with chunks (windows) of L tokens "
+                         "(default: 8,20,32)")
+    au.add_argument("--compression-ratios", type=csv_list(float, "--compression-ratios"), default=[0.25, 0.5],
+                    help="comma-separated ratios in [0, 1) (default: 0.25,0.5)")
+    au.add_argument("--tasks", type=csv_list(str, "--tasks"), default=["niah_single", "niah_multikey"],
+                    help="comma-separated task names (default: niah_single,niah_multikey)")
+    au.add_argument("--context-lengths", type=csv_list(int, "--context-lengths"), default=[1024],
+                    help="comma-separated context lengths in tokens (default: 1024)")
+    au.add_argument("--samples", type=int, default=16, help="samples per phase (default: 16, which detects one "
+                                                             "phase 0.55 below the others with 80%% power)")
+    au.add_argument("--seed", type=int, default=13, help="dataset seed (default: 13)")
+    au.add_argument("--model", help="model name, .gguf file, folder or hub id, as for eval (default: builtin)")
+    au.add_argument("--model-wheel", metavar="PATH", help="as for eval")
+    au.add_argument("--query-aware", action="store_true", help="compress the question with the context, as for eval")
+    au.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    au.add_argument("--output-dir", default="outputs/phase-audit",
+                    help="where the results and the report go (default: outputs/phase-audit); rerun to resume")
+    au.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     sub.add_parser("list", help="list task, press and built-in model names",
                    description="List the task, press and built-in model names.")
@@ -345,6 +381,23 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_audit(args) -> int:
+    """The audit as the ``eval`` run it stands for (prefix protocol, matched cache, the reference presses)."""
+    presses = ["no_press"] + [p for p in args.presses if p != "no_press"]
+    presses += [p for p in AUDIT_REFERENCE if p not in presses]
+    argv = ["eval", "--protocol", "prefix", "--matched-cache", "--no-diagnostics",
+            "--presses", ",".join(presses), "--strides", ",".join(map(str, args.chunk_lengths)),
+            "--compression-ratios", ",".join(f"{r:g}" for r in args.compression_ratios),
+            "--tasks", ",".join(args.tasks), "--context-lengths", ",".join(map(str, args.context_lengths)),
+            "--samples", str(args.samples), "--seed", str(args.seed), "--device", args.device,
+            "--output-dir", args.output_dir]
+    argv += (["--model", args.model] if args.model else []) + (["--model-wheel", args.model_wheel]
+                                                              if args.model_wheel else [])
+    argv += (["--query-aware"] if args.query_aware else []) + (["--no-progress"] if args.no_progress else [])
+    print("kvpress-phase " + " ".join(argv), file=sys.stderr)
+    return _cmd_eval(build_parser().parse_args(argv))
+
+
 def _cmd_report(args) -> int:
     import pandas as pd
 
@@ -377,6 +430,8 @@ def main(argv=None) -> int:
             return _cmd_train(args, argv)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "audit":
+            return _cmd_audit(args)
         return _cmd_eval(args)
     except UsageError as exc:
         print(f"kvpress-phase: error: {exc}", file=sys.stderr)

@@ -130,7 +130,8 @@ def test_presses_with_different_settings_are_distinct():
                ).validate()
 
 
-HELP = [["--help"], ["eval", "--help"], ["report", "--help"], ["list", "--help"], ["train", "--help"]]
+HELP = [["--help"], ["eval", "--help"], ["audit", "--help"], ["report", "--help"], ["list", "--help"],
+        ["train", "--help"]]
 
 
 @pytest.mark.parametrize("argv", HELP, ids=[" ".join(a) for a in HELP])
@@ -358,3 +359,25 @@ def test_dtype_warning_on_a_gpu_without_native_bfloat16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert "bfloat16" in cli._dtype_warning("bfloat16", "cuda:0") and "float16" in cli._dtype_warning("float16", "cpu")
     assert cli._dtype_warning("float16", "cuda") is None and cli._dtype_warning("float32", "cpu") is None
+
+
+def test_audit_is_the_eval_preset_it_prints(model_dir, tmp_path, capsys):
+    """`kvpress-phase audit` runs the presses given beside no compression and ChunkedStridePress in both modes, under
+    the prefix protocol with matched caches, at every phase of each chunk length, and prints the eval command it is."""
+    out = tmp_path / "audit"
+    code = cli.main(["audit", "chunk:scorer=keydiff,chunkkv", "--model", model_dir, "--chunk-lengths", "4",
+                     "--compression-ratios", "0.5", "--tasks", "niah_single", "--context-lengths", "128",
+                     "--samples", "1", "--output-dir", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())["config"]
+    assert config["protocol"] == "prefix" and config["matched_cache"] and config["strides"] == [4]
+    assert config["presses"] == ["no_press", "chunk:scorer=keydiff", "chunkkv", "chunked_stride",
+                                 "chunked_stride:mode=pool"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {r["press"] for r in summary} == set(config["presses"])
+    assert all(len(r["per_phase"]) == 4 for r in summary)
+    assert "kvpress-phase eval --protocol prefix --matched-cache" in err
+    # the printed command is the run: rerunning it resumes the same output directory with nothing left to do
+    command = [line for line in err.splitlines() if line.startswith("kvpress-phase eval")][0].split()[1:]
+    assert cli.main(command) == 0
