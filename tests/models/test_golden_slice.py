@@ -1,4 +1,4 @@
-"""Committed results replay identically: one sample of the real model's pre-registered test split (run 2, question
+"""Committed results replay identically: one sample per task of the real model's pre-registered test split (run 2, question
 compressed, 1,024 tokens; committed as it ran, decoded step by step) is computed again with today's code and default
 decoding, and every answer and cache length must equal the committed row's. This pins the behaviour of both presses,
 every kvpress baseline of the split and the runner while the split is not finished (its frozen defaults must not
@@ -20,13 +20,13 @@ pytestmark = pytest.mark.real_model
 RUN = os.path.join(os.path.dirname(__file__), "..", "..", "outputs", "real-test", "question-1024")
 
 
-def test_a_committed_sample_replays_identically(tmp_path):
+@pytest.mark.parametrize("task", ["niah_multikey", "niah_single"])
+def test_a_committed_sample_replays_identically(tmp_path, task):
     if not os.path.exists(os.path.join(RUN, "config.json")):
         pytest.skip("the committed run is not in this checkout")
     with open(os.path.join(RUN, "config.json")) as fh:
         saved = json.load(fh)["config"]
     committed = read_results(RUN)
-    task = "niah_multikey"
     golden = committed[(committed.task == task) & (committed.sample_id == 0)]
     config = EvalConfig(**{**saved, "tasks": [task], "samples": 1})
     assert len(golden) == 1120  # every answer of the sample: 3 strides x their phases x 14 presses and ratios

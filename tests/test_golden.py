@@ -1,0 +1,47 @@
+"""The presses' behaviour, pinned before they are reshaped: every press spec written in the docs builds the
+configuration it built when the golden files were written, and the built-in model gives the same answers and cache
+lengths under every one of them (``tests/golden/``, written by ``python tests/golden/make_golden.py``, step by step;
+replayed here with the default decoding). The real model's slice is ``tests/models/test_golden_slice.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from kvpress_phase import load_builtin_model
+from kvpress_phase.evaluation.presses import build_press, parse_press_spec
+from kvpress_phase.evaluation.runner import run_evaluation
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+sys.path.insert(0, GOLDEN)
+
+from make_golden import documented_specs, golden_config, press_fields  # noqa: E402
+
+
+def _load(name):
+    with open(os.path.join(GOLDEN, name)) as fh:
+        return json.load(fh) if name.endswith(".json") else [json.loads(line) for line in fh]
+
+
+def test_every_documented_spec_builds_its_golden_configuration():
+    golden = _load("press_specs.json")
+    new = sorted(set(documented_specs()) - set(golden))
+    assert not new, f"specs new in the docs, not in tests/golden: {new} (run tests/golden/make_golden.py)"
+    for text, fields in golden.items():  # a spec that has left the docs still builds what it built
+        assert press_fields(build_press(parse_press_spec(text), 0.5, 8, None, 0)) == fields, text
+
+
+@pytest.mark.slow
+def test_builtin_model_answers_as_golden(tmp_path):
+    golden = {row["key"]: row for row in _load("builtin_answers.jsonl")}
+    config = golden_config(sorted(_load("press_specs.json")))
+    config.step_by_step = False  # the default decoding must give the step-by-step answers
+    model, tokenizer = load_builtin_model()
+    results = run_evaluation(config, model, tokenizer, str(tmp_path), progress=False)
+    assert sorted(results["key"]) == sorted(golden)
+    for row in results.itertuples():
+        expected = golden[row.key]
+        assert (row.prediction, row.cache_length) == (expected["prediction"], expected["cache_length"]), row.key
