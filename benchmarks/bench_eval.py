@@ -174,10 +174,15 @@ def main(argv=None) -> int:
         f"{(on - off) / on:.1%} from the on/off difference.",
         "",
     ]
+    return _emit(lines, args.output)
+
+
+def _emit(lines: list, output) -> int:
+    """Print the Markdown report and append it to ``output`` when given."""
     report = "\n".join(lines)
     print(report)
-    if args.output:
-        with open(args.output, "a") as fh:
+    if output:
+        with open(output, "a") as fh:
             fh.write(report + "\n")
     return 0
 
@@ -310,12 +315,7 @@ def compare_decoding(args, argv) -> int:
                      f"(the floor).")
     lines += ["", f"fast decoding: {total[True] / total[False]:.1f}x the step-by-step path, {same}/{n} answers "
                   "identical", ""]
-    report = "\n".join(lines)
-    print(report)
-    if args.output:
-        with open(args.output, "a") as fh:
-            fh.write(report + "\n")
-    return 0
+    return _emit(lines, args.output)
 
 
 if __name__ == "__main__":
