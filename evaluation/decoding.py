@@ -3,12 +3,12 @@
 Greedy decoding of a small model on a CPU is bound by reading the weights: one answer token of SmolLM2-135M reads
 all 540 MB of them, whatever the batch. The phase evaluation decodes dozens of compressed caches of every context
 (every press, ratio and grid offset), and with matched cache lengths most of them have the same shape, so
-:func:`greedy_decode` decodes them as one batch: the caches are stacked along the batch dimension, every row gets
+:func:`decode_tokens` decodes them as one batch: the caches are stacked along the batch dimension, every row gets
 the same question tokens and positions (the original context's, as kvpress's pipeline uses), and each row stops at
-its own end-of-sequence token. With one cache it makes exactly the model calls of kvpress's
-``KVPressTextGenerationPipeline.generate_answer``; with several, each row's logits can differ from its own
-single-row decoding by float rounding (matrix products of other shapes add in another order), which changes a
-greedy answer only at a near-tie (BENCHMARKS.md has the measured agreement).
+its own end-of-sequence token. Step by step with one cache it makes exactly the model calls of kvpress's
+``KVPressTextGenerationPipeline.generate_answer``; in a batch, or checking a draft, each row's logits can differ
+from that by float rounding (matrix products of other shapes add in another order), which changes a greedy answer
+only at a near-tie (BENCHMARKS.md has the measured agreement).
 
 kvpress's ``KVzipPress`` scores entries while the model repeats the context, then masks the evicted entries during
 decoding rather than removing them (kvpress replaces their keys by a "fake key" whose attention weight underflows
@@ -52,18 +52,20 @@ def batched_cache(caches: list, masks: Optional[list] = None):
         if n < longest:
             pad = keys.new_zeros(batch, heads, longest - n, dim)
             keys, values = torch.cat([keys, pad], dim=2), torch.cat([values, pad], dim=2)
-            h = torch.arange(heads).repeat_interleave(longest - n)
-            q = torch.arange(n, longest).repeat(heads)
-            for row in range(len(caches)):
-                own = dict(masks[row] or {})
-                if i in own:
-                    own[i] = (torch.cat([own[i][0], h]), torch.cat([own[i][1], q]))
-                else:
-                    own[i] = (h, q)
-                masks[row] = own
+            _mask_padding(masks, i, heads, n, longest)
         new.keys, new.values = keys, values
         out.layers.append(new)
     return out, masks
+
+
+def _mask_padding(masks: list, layer: int, heads: int, n: int, longest: int) -> None:
+    """Add the padding entries ``n..longest`` of ``layer`` (every KV head) to every row's masks, in place."""
+    h = torch.arange(heads).repeat_interleave(longest - n)
+    p = torch.arange(n, longest).repeat(heads)
+    for row, own in enumerate(masks):
+        own = dict(own or {})
+        own[layer] = (torch.cat([own[layer][0], h]), torch.cat([own[layer][1], p])) if layer in own else (h, p)
+        masks[row] = own
 
 
 def uneven(cache) -> bool:
@@ -120,21 +122,6 @@ class LayerMasks:
         mask[..., past:] &= causal
         kwargs["attention_mask"] = mask
         return args, kwargs
-
-
-@torch.inference_mode()
-def greedy_decode(model, tokenizer, caches: list, question_ids: torch.Tensor, context_length: int,
-                  max_new_tokens: int, masks: Optional[list] = None, probe=None, draft: Optional[list] = None,
-                  step_by_step: bool = False) -> list[str]:
-    """Greedy answers to ``question_ids`` (``(1, q)``) over each cache of ``caches`` (batch 1 each, equal shapes).
-
-    ``masks`` gives each cache's masked entries (:data:`Masks`), ``probe`` a context manager entered around the
-    question's forward (the diagnostic's :class:`~.diagnostics.AttentionProbe`), ``draft`` the token ids of an answer
-    to check instead of generating (:func:`decode_tokens`). The caches themselves are not modified.
-    """
-    tokens = decode_tokens(model, caches, question_ids, context_length, max_new_tokens, masks=masks, probe=probe,
-                           draft=draft, step_by_step=step_by_step)
-    return [answer_text(tokenizer, row) for row in tokens]
 
 
 def answer_text(tokenizer, tokens: list) -> str:
@@ -327,12 +314,7 @@ def filled_cache(caches: list, masks: Optional[list], room: int):
         keys[:, :, n:longest] = 0  # masked padding: finite, so that a zero weight gives a zero contribution
         values[:, :, n:longest] = 0  # (the room past it is written before anything attends to it)
         if n < longest:
-            h = torch.arange(heads).repeat_interleave(longest - n)
-            p = torch.arange(n, longest).repeat(heads)
-            for row in range(len(caches)):
-                own = dict(masks[row] or {})
-                own[i] = (torch.cat([own[i][0], h]), torch.cat([own[i][1], p])) if i in own else (h, p)
-                masks[row] = own
+            _mask_padding(masks, i, heads, n, longest)
         out.layers.append(FilledLayer(keys, values, longest))
     return out, masks
 
