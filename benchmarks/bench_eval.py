@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     if args.cli:
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as out:
-                cmd = [sys.executable, "-m", "kvpress_phase.evaluation.cli", "eval", "--output-dir", out,
+                cmd = [sys.executable, "-m", "kvpress_phase.cli", "eval", "--output-dir", out,
                        "--no-progress", "--context-lengths", args.context_lengths, "--samples", str(job.samples),
                        "--protocol", job.protocol] + (["--model", args.model] if args.model else [])
                 t0 = time.perf_counter()

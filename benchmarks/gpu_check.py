@@ -206,7 +206,7 @@ def step_pipeline(ctx):
 def step_eval(ctx):
     import pandas as pd
 
-    from kvpress_phase.evaluation import cli
+    from kvpress_phase import cli
 
     out = os.path.join(ctx["out"], "eval")
     if ctx["small"]:

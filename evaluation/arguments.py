@@ -1,9 +1,13 @@
-"""What the ``eval`` and ``train`` commands share: comma-separated list flags, the device flag, and the first
-line of an error for the one-line messages of bad input."""
+"""What the ``eval`` and ``train`` commands share: comma-separated list flags, the device flag, the first
+line of an error for the one-line messages of bad input, and the parser and error handling of the command
+line (:class:`UsageError`, :class:`Parser`, :func:`run_command_line`)."""
 
 from __future__ import annotations
 
 import argparse
+import re
+import sys
+from typing import Callable, Optional, Sequence
 
 MIN_BOOTSTRAP = 100
 """Fewest bootstrap resamples ``--bootstrap`` accepts (``eval`` and ``report``)."""
@@ -56,3 +60,36 @@ def resolve_device(text: str) -> str:
 def first_line(exc: Exception) -> str:
     """The first line of ``exc``'s message, or its type's name when the message is empty."""
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported in one line with exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are :class:`UsageError` (one line, exit code 2, no usage dump)."""
+
+    def error(self, message):  # one line, exit code 2, no usage dump
+        # "argument --x: --x must be ..." (our flag types name their flag) -> "--x must be ..."
+        raise UsageError(re.sub(r"^argument (\S+): \1 ", r"\1 ", message))
+
+
+def run_command_line(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
+                     argv: Optional[Sequence[str]] = None) -> int:
+    """Parse ``argv`` (None: ``sys.argv[1:]``) with ``parser`` and return ``run(args)``, the exit code.
+
+    Bad input (:class:`UsageError`) is one line ``kvpress-phase: error: ...`` on stderr and exit code 2; an
+    interrupt exits with code 130 and a line saying that the same command resumes; output piped into a command
+    that stopped reading (e.g. ``| head``) ends quietly with code 0.
+    """
+    try:
+        return run(parser.parse_args(argv))
+    except UsageError as exc:
+        print(f"kvpress-phase: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvpress-phase: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # output piped into a command that stopped reading (e.g. `| head`)
+        sys.stderr.close()
+        return 0

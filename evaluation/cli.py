@@ -1,12 +1,13 @@
-"""The ``kvpress-phase`` command.
+"""The evaluation commands of ``kvpress-phase``: ``eval``, ``audit``, ``report`` and ``list``.
 
     kvpress-phase eval            # quick phase sweep on the built-in model, both presses and the baselines
     kvpress-phase eval --tasks niah_single,qa_single_doc --strides 4,8,16 --compression-ratios 0.5,0.75
     kvpress-phase list            # task, press and built-in model names the flags accept
-    kvpress-phase train --recipe chunked --output-dir outputs/models/chunked   # press in the loop
 
-Bad input exits with code 2 and a one-line message; `train --max-minutes` exits with code 3 when it pauses
-(rerun the same command to resume).
+The ``kvpress-phase`` command itself, which adds training's ``train`` (:mod:`kvpress_phase.training.cli`), is
+:mod:`kvpress_phase.cli`; this module registers its commands there (:func:`add_commands`, :func:`run_command`)
+and imports nothing from training. ``python -m kvpress_phase.evaluation.cli`` runs these commands alone.
+Bad input exits with code 2 and a one-line message.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import re
 import sys
 import warnings
 from typing import Optional
 
-from .arguments import MIN_BOOTSTRAP, csv_list, first_line, int_at_least, resolve_device
+from .arguments import (MIN_BOOTSTRAP, Parser, UsageError, csv_list, first_line, int_at_least, resolve_device,
+                        run_command_line)
 from .config import EvalConfig
 from .presses import PRESS_DESCRIPTIONS
 
@@ -39,30 +40,12 @@ QUICK = EvalConfig(
 )
 
 
-class UsageError(Exception):
-    """Bad command-line input: reported in one line with exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2, no usage dump
-        # "argument --x: --x must be ..." (our flag types name their flag) -> "--x must be ..."
-        raise UsageError(re.sub(r"^argument (\S+): \1 ", r"\1 ", message))
-
-
 DESCRIPTION = ("Phase evaluation of chunked KV-cache compression for kvpress: how accuracy depends on where the\n"
                "answer falls in the compression windows, for ChunkedStridePress, PhaseAwarePress and kvpress's\n"
                "own presses.")
-EXAMPLES = """examples:
-  kvpress-phase eval      quick phase sweep on the built-in model (about a minute on 2 CPU cores)
-  kvpress-phase eval --tasks niah_single,qa_single_doc --strides 4,8,16 --compression-ratios 0.5,0.75 \\
-      --output-dir outputs/sweep
-  kvpress-phase audit chunkkv,chunk:scorer=keydiff --model smollm2 --output-dir outputs/audit
-  kvpress-phase report outputs/sweep outputs/phase-eval --output-dir outputs/merged
-  kvpress-phase list      task, press and model names the flags accept
-  kvpress-phase train --recipe chunked --output-dir outputs/models/chunked
-
-Run kvpress-phase COMMAND --help for the options of a command. Bad input exits with code 2 and a one-line
-message; train --max-minutes exits with code 3 when it pauses (rerun the same command to resume)."""
+"""The description of ``kvpress-phase`` (its examples, with ``train``, are in :mod:`kvpress_phase.cli`)."""
+COMMANDS = ("eval", "report", "audit", "list")
+"""The commands :func:`add_commands` adds, in that order."""
 
 
 AUDIT_DESCRIPTION = """Phase audit of any press: an eval preset that places the needle at every phase of a grid of L tokens
@@ -73,12 +56,8 @@ It prints the equivalent `kvpress-phase eval` command, which the results record.
 AUDIT_REFERENCE = ["chunked_stride", "chunked_stride:mode=pool"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvpress-phase", description=DESCRIPTION, epilog=EXAMPLES,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{eval,audit,report,list,train}", parser_class=_Parser)
-    sub.required = True
-
+def add_commands(sub) -> None:
+    """Add the subcommands of :data:`COMMANDS` to ``sub``, the subparsers of a ``kvpress-phase`` parser."""
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
         "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
         "With no arguments: a quick sweep on the built-in model (about a minute on 2 CPU cores)."))
@@ -183,13 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list task, press and built-in model names",
                    description="List the task, press and built-in model names.")
 
-    from kvpress_phase.training.cli import DESCRIPTION as TRAIN_DESCRIPTION
-    from kvpress_phase.training.cli import EXAMPLES as TRAIN_EXAMPLES
-    from kvpress_phase.training.cli import add_arguments as add_train_arguments
 
-    tr = sub.add_parser("train", help="fine-tune a model with a press in the loop", description=TRAIN_DESCRIPTION,
-                        epilog=TRAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_train_arguments(tr)
+def build_parser() -> argparse.ArgumentParser:
+    """A ``kvpress-phase`` parser of the evaluation commands alone (``audit`` parses the ``eval`` run it stands for
+    with it); the whole command's parser is :func:`kvpress_phase.cli.build_parser`."""
+    parser = Parser(prog="kvpress-phase", description=DESCRIPTION,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", parser_class=Parser)
+    sub.required = True
+    add_commands(sub)
     return parser
 
 
@@ -212,21 +193,6 @@ def _cmd_list() -> int:
         status = "" if entry.available else f" [not available yet: {entry.build_command}]"
         default = " (default)" if name == DEFAULT_MODEL else ""
         print(f"  {name:<20} {entry.size}, {entry.licence}: {entry.description}{default}{status}")
-    return 0
-
-
-def _cmd_train(args, argv) -> int:
-    from kvpress_phase.training.cli import run_from_args
-
-    command = "kvpress-phase " + " ".join(argv if argv is not None else sys.argv[1:])
-    try:
-        log = run_from_args(args, command=command)
-    except ValueError as exc:
-        raise UsageError(first_line(exc)) from None
-    if log["steps_done"] < log["config"]["steps"]:
-        print(f"paused at step {log['steps_done']} of {log['config']['steps']}; rerun the same command to resume")
-        return 3
-    print(f"model: {args.output_dir}")
     return 0
 
 
@@ -420,28 +386,21 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def run_command(args: argparse.Namespace) -> int:
+    """Run one of :data:`COMMANDS` from parsed flags; the exit code (:class:`UsageError` for bad input)."""
+    if args.command == "list":
+        return _cmd_list()
+    if args.command == "report":
+        return _cmd_report(args)
+    if args.command == "audit":
+        return _cmd_audit(args)
+    return _cmd_eval(args)
+
+
 def main(argv=None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-        if args.command == "list":
-            return _cmd_list()
-        if args.command == "train":
-            return _cmd_train(args, argv)
-        if args.command == "report":
-            return _cmd_report(args)
-        if args.command == "audit":
-            return _cmd_audit(args)
-        return _cmd_eval(args)
-    except UsageError as exc:
-        print(f"kvpress-phase: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("kvpress-phase: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # output piped into a command that stopped reading (e.g. `| head`)
-        sys.stderr.close()
-        return 0
+    """The evaluation commands alone (``python -m kvpress_phase.evaluation.cli``); ``kvpress-phase`` is
+    :func:`kvpress_phase.cli.main`."""
+    return run_command_line(build_parser(), run_command, argv)
 
 
 if __name__ == "__main__":

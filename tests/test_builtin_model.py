@@ -72,7 +72,7 @@ def test_registry_names_both_models_and_the_default_is_the_post_hoc_one():
 
 
 def test_a_model_not_built_yet_names_the_command_that_builds_it(monkeypatch, capsys):
-    from kvpress_phase.evaluation import cli
+    from kvpress_phase import cli
 
     _missing(monkeypatch)
     with pytest.raises(FileNotFoundError, match="kvpress-phase train --recipe chunked"):

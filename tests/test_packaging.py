@@ -15,7 +15,7 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ["pyproject.toml", "README.md", "LICENSE", "kvpress_phase", "evaluation", "training", "kernels"]
+SOURCES = ["pyproject.toml", "README.md", "LICENSE", "kvpress_phase", "evaluation", "training", "kernels", "cli"]
 MODELS = ["builtin_model", "builtin_model_chunked"]
 
 pytest.importorskip("setuptools", minversion="77")  # the build backend pyproject.toml asks for (PEP 639 licence)
@@ -70,3 +70,12 @@ def test_setuptools_does_not_warn_about_the_configuration(wheel):
     _, _, output = wheel
     assert "absent from the `packages` configuration" not in output
     assert "SetuptoolsDeprecationWarning" not in output
+
+
+def test_the_command_ships_and_is_the_console_script(wheel):
+    names, path, _ = wheel
+    assert {"kvpress_phase/cli/__init__.py", "kvpress_phase/cli/__main__.py"} <= names
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    with zipfile.ZipFile(path) as zf:
+        text = zf.read(entry_points).decode()
+    assert "kvpress-phase = kvpress_phase.cli:main" in text.splitlines()

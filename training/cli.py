@@ -1,14 +1,16 @@
-"""The flags of ``kvpress-phase train`` and the run they describe (the command itself is in
-:mod:`kvpress_phase.evaluation.cli`)."""
+"""The ``kvpress-phase train`` command: its flags, the run they describe, and its exit codes. The
+``kvpress-phase`` command (:mod:`kvpress_phase.cli`) adds it with :func:`add_command` and runs it with
+:func:`run_command`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import fields
-from typing import Optional
+from typing import Optional, Sequence
 
-from kvpress_phase.evaluation.arguments import csv_list
+from kvpress_phase.evaluation.arguments import UsageError, csv_list, first_line
 
 from .config import DEFAULT_TASKS, DTYPES, OFFSET_MODES, RECIPES, FinetuneConfig
 from .finetune import finetune
@@ -25,7 +27,7 @@ examples:
 
 With --max-minutes a run checkpoints and exits with code 3 when the time is up; rerun the same command
 to resume. Bad input exits with code 2 and a one-line message."""
-"""The help text of ``kvpress-phase train`` (the parser is built in :mod:`kvpress_phase.evaluation.cli`)."""
+"""The help text of ``kvpress-phase train`` (see :func:`add_command`)."""
 
 
 def _weights(text: str) -> dict:
@@ -121,6 +123,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+def add_command(sub) -> argparse.ArgumentParser:
+    """Add ``train`` to ``sub``, the subparsers of a ``kvpress-phase`` parser; the ``train`` parser."""
+    parser = sub.add_parser("train", help="fine-tune a model with a press in the loop", description=DESCRIPTION,
+                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
     """The configuration of parsed ``train`` flags: the recipe's values, overridden by the flags given."""
     values = dict(RECIPES[args.recipe]) if getattr(args, "recipe", None) else {}
@@ -143,4 +153,20 @@ def run_from_args(args: argparse.Namespace, command: Optional[str] = None) -> di
                     max_minutes=args.max_minutes)
 
 
-__all__ = ["add_arguments", "config_from_args", "run_from_args"]
+def run_command(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``kvpress-phase train`` from parsed flags, recording the command line ``argv`` (None: ``sys.argv[1:]``)
+    in the training log: 0 when trained, 3 when ``--max-minutes`` paused it (rerun the same command to resume);
+    a bad configuration is a :class:`~kvpress_phase.evaluation.arguments.UsageError`."""
+    command = "kvpress-phase " + " ".join(argv if argv is not None else sys.argv[1:])
+    try:
+        log = run_from_args(args, command=command)
+    except ValueError as exc:
+        raise UsageError(first_line(exc)) from None
+    if log["steps_done"] < log["config"]["steps"]:
+        print(f"paused at step {log['steps_done']} of {log['config']['steps']}; rerun the same command to resume")
+        return 3
+    print(f"model: {args.output_dir}")
+    return 0
+
+
+__all__ = ["add_arguments", "add_command", "config_from_args", "run_command", "run_from_args"]

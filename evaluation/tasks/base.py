@@ -263,11 +263,24 @@ class Placed:
     needle_span: tuple[int, int]
     answer_span: tuple[int, int]
     token_ids: tuple = field(default=(), repr=False, compare=False)
-    """The prefill token ids (filled in by :meth:`Assembler.measure`)."""
+    """The prefill token ids (filled in by :func:`measure`)."""
 
     def tokens(self, span: tuple[int, int]) -> tuple:
         """The token ids of a ``(start, end)`` span of the prefill sequence."""
         return tuple(self.token_ids[span[0] : span[1]])
+
+
+def measure(tokenizer, context: str, needle: tuple[int, int], answer: tuple[int, int]) -> Placed:
+    """``context`` tokenised as the prefill, with the token spans of the needle's and the answer's character spans
+    ``(start, end)``. Used by the generators' :class:`Assembler` and by :mod:`.hub`'s re-placement."""
+    ids, offsets, start = encode_with_offsets(tokenizer, context)
+    return Placed(
+        context=context,
+        n_tokens=len(ids),
+        needle_span=offsets_to_token_span(offsets, start + needle[0], start + needle[1]),
+        answer_span=offsets_to_token_span(offsets, start + answer[0], start + answer[1]),
+        token_ids=tuple(ids),
+    )
 
 
 class Assembler:
@@ -332,15 +345,8 @@ class Assembler:
         return "".join(parts), needle, answer
 
     def measure(self, n_pad: int, n_tail: int, n_fill: int = 0) -> Placed:
-        context, needle, answer = self.render(n_pad, n_tail, n_fill)
-        ids, offsets, start = encode_with_offsets(self.tokenizer, context)
-        return Placed(
-            context=context,
-            n_tokens=len(ids),
-            needle_span=offsets_to_token_span(offsets, start + needle[0], start + needle[1]),
-            answer_span=offsets_to_token_span(offsets, start + answer[0], start + answer[1]),
-            token_ids=tuple(ids),
-        )
+        """The rendered context (see :meth:`render`) tokenised: :func:`measure`."""
+        return measure(self.tokenizer, *self.render(n_pad, n_tail, n_fill))
 
     def _count(self, text: str) -> int:
         n = self._counts.get(text)

@@ -43,8 +43,8 @@ from typing import Iterable, Optional, Sequence
 
 from kvpress_phase.phase import phase_of
 
-from ..prompting import check_tokenizer, encode_with_offsets, offsets_to_token_span
-from .base import EVAL_SEED_LIMIT, Placed, derive_seed, phase_columns, single_token_words
+from ..prompting import check_tokenizer, encode_with_offsets
+from .base import EVAL_SEED_LIMIT, Placed, derive_seed, measure, phase_columns, single_token_words
 from .vocab import PAD_WORDS
 
 KVPRESS_COLUMNS = ("context", "question", "answer_prefix", "answer", "task", "max_new_tokens")
@@ -150,17 +150,6 @@ def needle_start(context: str, answer_start: int) -> int:
     return start
 
 
-def _measure(tokenizer, context: str, needle: tuple[int, int], answer: tuple[int, int]) -> Placed:
-    ids, offsets, start = encode_with_offsets(tokenizer, context)
-    return Placed(
-        context=context,
-        n_tokens=len(ids),
-        needle_span=offsets_to_token_span(offsets, start + needle[0], start + needle[1]),
-        answer_span=offsets_to_token_span(offsets, start + answer[0], start + answer[1]),
-        token_ids=tuple(ids),
-    )
-
-
 def _cut_point(text: str, c: int, keep: int) -> int:
     """Where to cut ``text`` so that it ends at or before character ``c``, never before ``keep``.
 
@@ -186,14 +175,14 @@ class _Row:
         self.needle = needle
         self.answer = answer
         self.words = words
-        self.base = _measure(tokenizer, context, needle, answer)
+        self.base = measure(tokenizer, context, needle, answer)
         self.space_start = needle[0]
         while self.space_start > 0 and context[self.space_start - 1].isspace():
             self.space_start -= 1
         self.filler_before_space = False
         if self.space_start < needle[0] and words:
             at, pad = self._filler(1)
-            one = _measure(tokenizer, context[:at] + pad + context[at:], *self._shifted(len(pad)))
+            one = measure(tokenizer, context[:at] + pad + context[at:], *self._shifted(len(pad)))
             self.filler_before_space = one.tokens(one.needle_span) != self.base.tokens(self.base.needle_span)
 
     def _filler(self, n_pad: int) -> tuple[int, str]:
@@ -228,7 +217,7 @@ class _Row:
                 break
             c = max(keep, offsets[target][0] - start)
             text = text[: _cut_point(text, c, keep)]
-        placed = _measure(self.tokenizer, text, needle, answer)
+        placed = measure(self.tokenizer, text, needle, answer)
         n_fill = 0
         for _ in range(8):
             gap = target - placed.n_tokens
@@ -236,7 +225,7 @@ class _Row:
                 break
             n_fill = max(0, min(len(self.words), n_fill + gap))
             filled = text + "".join(" " + w for w in self.words[:n_fill])
-            placed = _measure(self.tokenizer, filled, needle, answer)
+            placed = measure(self.tokenizer, filled, needle, answer)
         return placed
 
     def at_phase(self, phase: int, stride: int, offset: int) -> Placed:

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from kvpress_phase.evaluation import cli
+from kvpress_phase import cli
+from kvpress_phase.evaluation import cli as evaluation_cli
 from kvpress_phase.evaluation.runner import EvalConfig
 from kvpress_phase.evaluation.tokenizer import save_tokenizer, build_tokenizer
 
@@ -146,6 +147,26 @@ def test_help_is_plain_words_and_no_example_writes_into_the_package(argv, capsys
     assert "kvpress_phase/" not in out  # examples write to a user folder (outputs/...), not the installed package
 
 
+def test_the_command_is_evaluation_commands_and_train():
+    """kvpress-phase (kvpress_phase.cli) composes evaluation's commands and training's train; the evaluation
+    commands also run alone (python -m kvpress_phase.evaluation.cli), with the same flags."""
+    def commands(parser):
+        (sub,) = [a for a in parser._actions if a.dest == "command"]
+        return list(sub.choices)
+
+    assert commands(cli.build_parser()) == list(evaluation_cli.COMMANDS) + ["train"]
+    assert commands(evaluation_cli.build_parser()) == list(evaluation_cli.COMMANDS)
+    argv = ["eval", "--strides", "4,8", "--query-aware", "--output-dir", "o"]
+    assert vars(cli.build_parser().parse_args(argv)) == vars(evaluation_cli.build_parser().parse_args(argv))
+
+
+def test_evaluation_commands_alone_refuse_bad_input_in_one_line(capsys):
+    assert evaluation_cli.main(["eval", "--strides", "x"]) == 2
+    assert evaluation_cli.main(["train", "--output-dir", "o"]) == 2  # train is not an evaluation command
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("kvpress-phase: error: ") for line in err)
+
+
 def test_query_aware_is_kvpress_name_for_compress_question():
     parser = cli.build_parser()
     new, old = parser.parse_args(["eval", "--query-aware"]), parser.parse_args(["eval", "--compress-question"])
@@ -225,7 +246,6 @@ def test_tokenizer_without_bos_or_chat_template_exits_2(tmp_path, capsys):
 
 
 def test_report_merges_runs_and_refuses_a_folder_without_results(tmp_path, capsys):
-    from kvpress_phase.evaluation import cli
     from kvpress_phase.evaluation.runner import RESULTS_DIR
 
     run = tmp_path / "run"
@@ -357,8 +377,9 @@ def test_dtype_warning_on_a_gpu_without_native_bfloat16(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert "bfloat16" in cli._dtype_warning("bfloat16", "cuda:0") and "float16" in cli._dtype_warning("float16", "cpu")
-    assert cli._dtype_warning("float16", "cuda") is None and cli._dtype_warning("float32", "cpu") is None
+    warning = evaluation_cli._dtype_warning
+    assert "bfloat16" in warning("bfloat16", "cuda:0") and "float16" in warning("float16", "cpu")
+    assert warning("float16", "cuda") is None and warning("float32", "cpu") is None
 
 
 def test_audit_is_the_eval_preset_it_prints(model_dir, tmp_path, capsys):

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from kvpress_phase.evaluation import cli
+from kvpress_phase import cli
 from kvpress_phase.evaluation.runner import OutputDirInUse, lock_path, output_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -89,7 +89,7 @@ def test_two_commands_started_together_write_no_duplicates(model_dir, tmp_path):
     args[args.index("--samples") + 1] = "12"  # a few seconds of work, so that the two runs overlap
     args[args.index("--context-lengths") + 1] = "512"
     args[args.index("--presses") + 1] = "no_press,chunked_stride,knorm,phase_aware"
-    cmd = [sys.executable, "-m", "kvpress_phase.evaluation.cli"] + args
+    cmd = [sys.executable, "-m", "kvpress_phase.cli"] + args
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]

@@ -10,7 +10,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from kvpress_phase.evaluation import cli
+from kvpress_phase import cli
 from kvpress_phase.evaluation.runner import (RESULTS_DIR, ShardWarning, lock_path, read_results,
                                              removed_if_failed_empty)
 

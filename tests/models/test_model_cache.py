@@ -134,7 +134,7 @@ def _no_registry_env(tmp_path):
 
 
 def test_cli_without_registry_or_cache_exits_2_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "kvpress_phase.evaluation.cli", "eval", "--model", "smollm2",
+    result = subprocess.run([sys.executable, "-m", "kvpress_phase.cli", "eval", "--model", "smollm2",
                              "--output-dir", str(tmp_path / "out"), "--no-progress"],
                             capture_output=True, text=True, env=_no_registry_env(tmp_path), timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
@@ -145,7 +145,7 @@ def test_cli_without_registry_or_cache_exits_2_with_one_line(tmp_path):
 
 
 def test_cli_refuses_a_wheel_with_another_hash(tmp_path, tiny_wheel):
-    result = subprocess.run([sys.executable, "-m", "kvpress_phase.evaluation.cli", "eval", "--model", "smollm2",
+    result = subprocess.run([sys.executable, "-m", "kvpress_phase.cli", "eval", "--model", "smollm2",
                              "--model-wheel", tiny_wheel, "--output-dir", str(tmp_path / "out"), "--no-progress"],
                             capture_output=True, text=True, env=_no_registry_env(tmp_path), timeout=300)
     assert result.returncode == 2 and "refusing it" in result.stderr
@@ -155,7 +155,7 @@ def test_cli_refuses_a_wheel_with_another_hash(tmp_path, tiny_wheel):
 @pytest.mark.parametrize("where", ["file", "under-a-file"])
 @pytest.mark.parametrize("model", ["smollm2", "gguf"])
 def test_cache_variable_naming_a_file_exits_2_before_any_fetch(where, model, tmp_path, monkeypatch, capsys):
-    from kvpress_phase.evaluation import cli
+    from kvpress_phase import cli
 
     def fetched(*args, **kwargs):
         raise AssertionError("the wheel was fetched although the cache cannot be used")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from kvpress_phase.evaluation import cli
+from kvpress_phase import cli
 from kvpress_phase.training.cli import config_from_args
 from kvpress_phase.training.config import FinetuneConfig
 from kvpress_phase.training.data import ExampleSource
