@@ -7,10 +7,15 @@ variable ``KVPRESS_PHASE_BACKEND`` (``auto``, ``triton`` or ``torch``; the argum
 ``TRITON_INTERPRET=1`` a forced Triton backend also runs on CPU tensors (slowly), which is how the parity tests
 run without a GPU.
 
-Inputs a kernel does not support fall back to the reference with a one-time warning under ``auto``, and raise
-``ValueError`` when Triton was forced. Presses call these functions and never branch on device themselves.
+Inputs a kernel does not support (:func:`.triton_common.unsupported` says why) fall back to the reference with a
+one-time warning under ``auto``, and raise ``ValueError`` when Triton was forced. Presses call these functions and
+never branch on device themselves; this module is the only one that chooses between the backends.
 
-Only torch (and, when present, triton) is imported: this package works without kvpress or transformers.
+Modules: :mod:`.naive` (the references), :mod:`.triton_select`, :mod:`.triton_pool` and
+:mod:`.triton_keep_and_pool` (one fused kernel each) and :mod:`.triton_common` (what the kernels share).
+
+Only torch (and, when present, triton) is imported, with the torch-only :mod:`kvpress_phase.core`: this package
+works without kvpress or transformers, and imports nothing from the presses or the package root.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from kvpress_phase.phase import WindowLayout
+from kvpress_phase.core.phase import WindowLayout
 
 from . import naive
 from .naive import ROPE_MODES, WEIGHTINGS, Compressed
@@ -37,7 +42,7 @@ ENV_VAR = "KVPRESS_PHASE_BACKEND"
 def triton_available() -> bool:
     """Whether Triton and this package's kernels import on this machine."""
     try:
-        from . import triton_ops  # noqa: F401
+        from . import triton_keep_and_pool, triton_pool, triton_select  # noqa: F401
     except Exception:  # ImportError on macOS/Windows, or a broken Triton install
         return False
     return True
@@ -93,11 +98,11 @@ def select_windows(
 ) -> Compressed:
     """Keep the ``k`` best tokens of every window. See :func:`.naive.select_windows` for the exact semantics."""
     if resolve_backend(keys, backend) == "triton":
-        from . import triton_ops
+        from . import triton_common, triton_select
 
-        reason = triton_ops.unsupported(keys, values, layout, mode="select", scores=scores)
+        reason = triton_common.unsupported(keys, values, layout, mode="select", scores=scores)
         if reason is None:
-            return triton_ops.select_windows(keys, values, scores, layout)
+            return triton_select.select_windows(keys, values, scores, layout)
         _fallback(reason, _forced(backend))
     return naive.select_windows(keys, values, scores, layout)
 
@@ -115,14 +120,14 @@ def pool_windows(
 ) -> Compressed:
     """Merge every window into ``k`` entries. See :func:`.naive.pool_windows` for the exact semantics."""
     if resolve_backend(keys, backend) == "triton":
-        from . import triton_ops
+        from . import triton_common, triton_pool
 
-        reason = triton_ops.unsupported(
+        reason = triton_common.unsupported(
             keys, values, layout, mode="pool", rope=rope, inv_freq=inv_freq,
             scores=scores if weighting == "score" else None,
         )
         if reason is None:
-            return triton_ops.pool_windows(
+            return triton_pool.pool_windows(
                 keys, values, layout, scores=scores, weighting=weighting, rope=rope, inv_freq=inv_freq
             )
         _fallback(reason, _forced(backend))
@@ -144,14 +149,14 @@ def keep_and_pool(
     """Keep the tokens ``raw`` marks and merge each window's others into one entry. See
     :func:`.naive.keep_and_pool` for the exact semantics."""
     if resolve_backend(keys, backend) == "triton":
-        from . import triton_ops
+        from . import triton_common, triton_keep_and_pool
 
-        reason = triton_ops.unsupported(
+        reason = triton_common.unsupported(
             keys, values, layout, mode="keep_and_pool", rope=rope, inv_freq=inv_freq,
             scores=scores if weighting == "score" else None, raw=raw,
         )
         if reason is None:
-            return triton_ops.keep_and_pool(
+            return triton_keep_and_pool.keep_and_pool(
                 keys, values, raw, layout, scores=scores, weighting=weighting, rope=rope, inv_freq=inv_freq
             )
         _fallback(reason, _forced(backend))

@@ -16,8 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from kvpress_phase.phase import WindowLayout, group_bounds, group_membership
-from kvpress_phase.rope import add_rotated_, rotate
+from kvpress_phase.core.phase import WindowLayout, group_bounds, group_membership
+from kvpress_phase.core.rope import add_rotated_, rotate
 
 WEIGHTINGS = ("mean", "score")
 ROPE_MODES = ("none", "start", "center", "centroid")

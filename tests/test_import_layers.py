@@ -139,3 +139,102 @@ def test_the_rule_lets_evaluation_import_its_own_and_shared_modules(tmp_path):
     path.write_text("import torch\nfrom kvpress_phase.phase import phase_of\nfrom .arguments import csv_list\n"
                     "from .tasks import base\nfrom kvpress_phase.evaluation import tasks\n")
     assert layer_violations("evaluation", "training", dirs, files=[(path, "kvpress_phase.evaluation.fine")]) == []
+
+
+# ------------------------------------------------------------------------------------------- the kernels' layer
+# The presses (kvpress_phase/presses/) call the kernels and the package root leads to the presses, so the kernels
+# sit below both: kernels/ may import, from this project, only itself and kvpress_phase/core/ (phase arithmetic and
+# RoPE handling), and kvpress_phase/core/ only itself. Folders here are where the files are, subfolders included.
+KERNEL_LAYERS = {"kernels": {"kernels", "kvpress_phase/core"}, "kvpress_phase/core": {"kvpress_phase/core"}}
+
+
+def defining_folder(name: str, dirs: dict):
+    """The folder, relative to the root, of the file that defines ``name`` (a module, or an attribute of one:
+    ``kvpress_phase.phase.WindowLayout`` is defined in ``kvpress_phase/``; a package in its own folder), or None
+    when it is not one of ours."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        module = ".".join(parts[:n])
+        folder = folder_of(module, dirs)
+        if folder is None:
+            return None
+        package = max((p for p in dirs if module == p or module.startswith(p + ".")), key=len)
+        path = ROOT.joinpath(folder, *module[len(package):].split(".")[1:])
+        if (path / "__init__.py").is_file():
+            return path.relative_to(ROOT).as_posix()
+        if path.with_suffix(".py").is_file():
+            return path.parent.relative_to(ROOT).as_posix()
+    return None
+
+
+def kernel_layer_violations(dirs: dict, files=None) -> list:
+    """``"path:line imports module (folder/)"`` for each import, by a file of kernels/ or kvpress_phase/core/, of a
+    module in a folder :data:`KERNEL_LAYERS` does not allow it (one per line and folder). ``files``: ``(path,
+    module)`` pairs to check instead; a file's layer is that of its module's folder."""
+    if files is None:
+        files = [*source_files("kernels", dirs), *source_files("kvpress_phase", dirs)]
+    found = []
+    for path, module in files:
+        path = pathlib.Path(path)
+        allowed = KERNEL_LAYERS.get(defining_folder(module, dirs))
+        if allowed is None:
+            continue
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        seen = set()
+        for line, name in imported_modules(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            folder = defining_folder(name, dirs)
+            if folder is not None and folder not in allowed and (line, folder) not in seen:
+                seen.add((line, folder))
+                found.append(f"{where}:{line} imports {name} ({folder}/)")
+    return found
+
+
+def test_the_kernels_import_nothing_from_the_package_root_or_the_presses():
+    """No file in kernels/ imports the package root (``kvpress_phase.phase``, ``kvpress_phase.rope``, ...) or the
+    presses, and kvpress_phase/core/, which the kernels use, imports nothing else of ours."""
+    dirs = package_dirs()
+    assert defining_folder("kvpress_phase.kernels.naive", dirs) == "kernels"  # the mapping the rule relies on
+    assert defining_folder("kvpress_phase.core.phase.WindowLayout", dirs) == "kvpress_phase/core"
+    assert defining_folder("kvpress_phase.phase", dirs) == "kvpress_phase"
+    checked = {defining_folder(module, dirs) for _, module in source_files("kernels", dirs)}
+    checked |= {defining_folder(module, dirs) for _, module in source_files("kvpress_phase", dirs)}
+    assert set(KERNEL_LAYERS) <= checked, "no files found in kernels/ or kvpress_phase/core/"
+    assert kernel_layer_violations(dirs) == []
+
+
+@pytest.mark.parametrize("source,module,folder", [
+    ("from kvpress_phase.phase import WindowLayout\n", "kvpress_phase.kernels.offender", "kvpress_phase"),
+    ("def f():\n    from kvpress_phase.rope import rotate\n", "kvpress_phase.kernels.offender", "kvpress_phase"),
+    ("from kvpress_phase import WindowLayout\n", "kvpress_phase.kernels.offender", "kvpress_phase"),
+    ("from ..presses import base\n", "kvpress_phase.kernels.offender", "kvpress_phase/presses"),
+    ("import kvpress_phase.presses.base\n", "kvpress_phase.kernels.offender", "kvpress_phase/presses"),
+    ("from ..evaluation import runner\n", "kvpress_phase.kernels.offender", "evaluation"),
+    ("from kvpress_phase.kernels import naive\n", "kvpress_phase.core.offender", "kernels"),
+    ("from ..phase import group_bounds\n", "kvpress_phase.core.offender", "kvpress_phase"),
+])
+def test_the_kernel_rule_reports_an_import_from_above(source, module, folder, tmp_path):
+    path = tmp_path / "offender.py"
+    path.write_text(source)
+    found = kernel_layer_violations(package_dirs(), files=[(path, module)])
+    assert len(found) == 1 and "offender.py:" in found[0] and found[0].endswith(f"({folder}/)"), found
+
+
+def test_the_kernel_rule_lets_the_kernels_import_themselves_and_core(tmp_path):
+    path = tmp_path / "fine.py"
+    path.write_text("import torch\nimport triton.language as tl\nfrom kvpress_phase.core.phase import WindowLayout\n"
+                    "from kvpress_phase.core import rope\nfrom . import naive\nfrom .triton_common import row_offsets\n"
+                    "from kvpress_phase.kernels import naive\n")
+    assert kernel_layer_violations(package_dirs(), files=[(path, "kvpress_phase.kernels.fine")]) == []
+
+
+def test_importing_the_kernels_loads_neither_the_presses_nor_kvpress():
+    """What the layers buy at run time: ``import kvpress_phase.kernels`` works where kvpress is not installed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvpress_phase.kernels; print(' '.join(m for m in sys.modules if m.split('.')[0] in "
+            "('kvpress', 'transformers') or m.startswith(('kvpress_phase.presses', 'kvpress_phase.evaluation', "
+            "'kvpress_phase.training')) or m in ('kvpress_phase.phase', 'kvpress_phase.rope')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == []

@@ -34,7 +34,7 @@ from kvpress_phase import kernels  # noqa: E402
 from kvpress_phase.phase import WindowLayout  # noqa: E402
 
 try:
-    from kvpress_phase.kernels import triton_ops  # noqa: E402
+    from kvpress_phase.kernels import triton_common, triton_pool, triton_select  # noqa: E402
 except Exception as exc:  # pragma: no cover - a broken install
     pytest.skip(f"the Triton kernels do not import: {exc!r}", allow_module_level=True)
 
@@ -43,7 +43,7 @@ if _USE_CUDA:
         pytest.skip("KVPRESS_PHASE_TEST_CUDA=1 but no CUDA device is available", allow_module_level=True)
     DEVICE = "cuda"
 else:
-    if not triton_ops._interpreter_ready() or (_TRITON_PRELOADED and not _INTERPRET_BEFORE):
+    if not triton_common.interpreter_ready() or (_TRITON_PRELOADED and not _INTERPRET_BEFORE):
         pytest.skip(
             "the Triton interpreter is not active: triton was imported before this module set TRITON_INTERPRET=1; "
             "run `TRITON_INTERPRET=1 python -m pytest tests/kernels`",
@@ -57,7 +57,7 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 @pytest.fixture(params=["auto", "tiny"])
 def tiles(request, monkeypatch):
     """Run with the default tiles and with the smallest ones (every chunk loop, many blocks per row)."""
-    monkeypatch.setattr(triton_ops, "TILES", request.param)
+    monkeypatch.setattr(triton_common, "TILES", request.param)
     return request.param
 
 
@@ -314,7 +314,7 @@ def test_random_configurations(seed, monkeypatch):
     def between(lo, hi):
         return int(torch.randint(lo, hi + 1, (1,), generator=rng))
 
-    monkeypatch.setattr(triton_ops, "TILES", ("device", "tiny", "auto")[seed % 3])
+    monkeypatch.setattr(triton_common, "TILES", ("device", "tiny", "auto")[seed % 3])
     mode = "select" if seed % 4 == 0 else "pool"
     dtype = pick([F32, BF16, F16])
     dim = pick([64, 80, 96, 128, 256])
@@ -365,7 +365,7 @@ def _unsupported_cases():
 @pytest.mark.parametrize("name", list(_unsupported_cases()))
 def test_unsupported_inputs_are_refused(name):
     mode, keys, values, layout, kw = _unsupported_cases()[name]
-    reason = triton_ops.unsupported(keys, values, layout, mode=mode, **kw)
+    reason = triton_common.unsupported(keys, values, layout, mode=mode, **kw)
     assert isinstance(reason, str) and reason, name
     # forced Triton through the single dispatch point: ValueError, never a silent result
     with pytest.raises(ValueError):
@@ -377,17 +377,17 @@ def test_unsupported_inputs_are_refused(name):
     # the kernel entry points refuse it too when called directly
     with pytest.raises(ValueError):
         if mode == "select":
-            triton_ops.select_windows(keys, values, kw["scores"], layout)
+            triton_select.select_windows(keys, values, kw["scores"], layout)
         else:
-            triton_ops.pool_windows(keys, values, layout, rope=kw.get("rope", "none"), inv_freq=kw.get("inv_freq"))
+            triton_pool.pool_windows(keys, values, layout, rope=kw.get("rope", "none"), inv_freq=kw.get("inv_freq"))
 
 
 def test_supported_inputs_have_no_reason():
     keys, values, scores = _inputs(1, 2, 64, 80, BF16, layout="bshd")
     layout = _layout(64, 16, 8, 2, "staggered", 1, 2)
-    assert triton_ops.unsupported(keys, values, layout, mode="pool", rope="centroid", inv_freq=_inv_freq(40)) is None
+    assert triton_common.unsupported(keys, values, layout, mode="pool", rope="centroid", inv_freq=_inv_freq(40)) is None
     layout = _layout(64, 8, 8, 2, "staggered", 1, 2)
-    assert triton_ops.unsupported(keys, values, layout, mode="select", scores=scores) is None
+    assert triton_common.unsupported(keys, values, layout, mode="select", scores=scores) is None
 
 
 def test_auto_falls_back_with_one_warning(monkeypatch):
