@@ -118,7 +118,7 @@ def measure(engine, n: int, layers: int, elt: int, lean: bool, decode: bool) -> 
     del state
     if lean:
         base = _reset_peak()
-        state = engine.prefill(ids, presses=[ChunkedStridePress(0.5, stride=8)])  # keys and values only
+        state = engine.prefill(ids, reads=frozenset())  # keys and values only (what ChunkedStridePress reads)
         out["lean_prefill_peak_growth"] = _status("VmHWM") - base
         out["captured_lean"] = state.captured_bytes()
         out["captured_lean_formula"] = capture_formula(n, layers, elt, hidden=False)

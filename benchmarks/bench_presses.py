@@ -71,7 +71,7 @@ class ScoresOnly:
 def make_case(name: str, ratio: float, stride: int):
     from kvpress import ChunkPress, KnormPress, SnapKVPress
 
-    from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+    from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress
     from kvpress_phase.presses.scorers import SnapKVScorer
 
     cases = {
@@ -83,10 +83,10 @@ def make_case(name: str, ratio: float, stride: int):
         ),
         "phase_aware": lambda: PhaseAwarePress(ratio, stride=stride),
         "snapkv_scores": lambda: ScoresOnly(SnapKVScorer()),
-        "phase_aware_window": lambda: PhaseAwarePress(ratio, stride=stride, budget="window", scorer=KnormPress()),
-        "phase_aware_row_knorm": lambda: PhaseAwarePress(ratio, stride=stride, budget="row", scorer=KnormPress(),
+        "staggered_window": lambda: StaggeredWindowPress(ratio, stride=stride, scorer=KnormPress()),
+        "phase_aware_row_knorm": lambda: PhaseAwarePress(ratio, stride=stride, scorer=KnormPress(),
                                                          share_heads=True),
-        "phase_aware_row_snapkv": lambda: PhaseAwarePress(ratio, stride=stride, budget="row", scorer=SnapKVPress(),
+        "phase_aware_row_snapkv": lambda: PhaseAwarePress(ratio, stride=stride, scorer=SnapKVPress(),
                                                           share_heads=True),
         "kvpress_snapkv": lambda: SnapKVPress(ratio),
         "kvpress_chunk": lambda: ChunkPress(KnormPress(ratio), chunk_length=stride),

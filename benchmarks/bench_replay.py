@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from transformers import pipeline
 
     from kvpress_phase import load_builtin_model
-    from kvpress_phase.evaluation.presses import PHASE_GRID_PRESSES, build_press, parse_press_spec
+    from kvpress_phase.evaluation.presses import build_press, parse_press_spec
     from kvpress_phase.evaluation.runner import EvalConfig, ReplayEngine, run_evaluation
     from kvpress_phase.evaluation.tasks import generate
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     variants = [(row, spec) for row in rows for spec in specs]
 
     def press_for(row, spec):
-        offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
+        offset = row["offset"] if spec.entry.grid_offset else 0
         return build_press(spec, args.compression_ratio, args.stride, None, offset)
 
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")

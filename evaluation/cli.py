@@ -23,14 +23,14 @@ from typing import Optional
 from .arguments import (MIN_BOOTSTRAP, Parser, UsageError, csv_list, first_line, int_at_least, resolve_device,
                         run_command_line)
 from .config import EvalConfig
-from .presses import PRESS_DESCRIPTIONS
+from .presses import REGISTRY
 
 QUICK = EvalConfig(
     tasks=["niah_single", "niah_multikey"],
-    # every registered press, and ChunkedStridePress's pooled windows (the chunked compression of the paper, whose
-    # weak phases the built-in model shows) beside its default selection
-    presses=["no_press", "chunked_stride", "chunked_stride:mode=pool"] + [p for p in PRESS_DESCRIPTIONS
-                                                                          if p not in ("no_press", "chunked_stride")],
+    # every registered press but the ablations' StaggeredWindowPress, and ChunkedStridePress's pooled windows (the
+    # chunked compression of the paper, whose weak phases the built-in model shows) beside its default selection
+    presses=["no_press", "chunked_stride", "chunked_stride:mode=pool"]
+    + [p for p in REGISTRY if p not in ("no_press", "chunked_stride", "staggered_window")],
     compression_ratios=[0.25],
     strides=[8],
     protocol="prefix",
@@ -185,9 +185,9 @@ def _cmd_list() -> int:
     from .presses import parse_press_spec, reads_question
 
     print("presses (Q: reads the question when it is compressed with the context, --query-aware):")
-    for name, text in PRESS_DESCRIPTIONS.items():
+    for name, entry in REGISTRY.items():
         mark = "Q" if reads_question(parse_press_spec(name)) else " "
-        print(f"  {name:<20} {mark} {text}")
+        print(f"  {name:<20} {mark} {entry.description}")
     print("models (--model):")
     for name, entry in BUILTIN_MODELS.items():
         status = "" if entry.available else f" [not available yet: {entry.build_command}]"

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .presses import PHASE_GRID_PRESSES, PressSpec, parse_press_spec
+from .presses import PressSpec, parse_press_spec
 from .tasks import PROTOCOLS, check_context_length, generate, get_task
 
 SETTINGS = {False: "query_agnostic", True: "question_compressed"}
@@ -157,7 +157,7 @@ def variants(config: EvalConfig, stride: int) -> list[tuple[PressSpec, float, Op
         if spec.name == "no_press":
             out.append((spec, 0.0, None))
             continue
-        windows = config.windows if (config.windows and spec.name in PHASE_GRID_PRESSES) else [None]
+        windows = config.windows if (config.windows and spec.entry.grid_offset) else [None]
         for ratio in config.compression_ratios:
             for window in windows:
                 if window is not None and window < stride:

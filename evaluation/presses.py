@@ -1,9 +1,14 @@
-"""Presses by name: ours and the kvpress baselines, built at a matched compression ratio.
+"""Presses by name: one registry entry per press, ours and kvpress's baselines.
 
-A press spec is a registered name, optionally followed by ``:key=value`` settings for our presses, e.g.
-``phase_aware:stagger=none:overlap=false`` (used for ablations), or a ``scorer=`` for kvpress's chunk wrappers
-(``chunk:scorer=keydiff``). Values are parsed as ints, floats,
-``true``/``false`` or strings.
+A press spec is a registered name, optionally followed by ``:key=value`` settings: any field of our presses
+(``chunked_stride:mode=pool``, ``phase_aware:residual=pool``), or ``scorer=NAME`` for kvpress's chunk wrappers
+(``chunk:scorer=keydiff``). Values are parsed as ints, floats, ``true``/``false`` or strings.
+
+Everything the evaluation knows about a press is its :class:`PressEntry` in :data:`REGISTRY`: its description (the
+CLI's ``list``), its factory, what its scores read (the prefill records only that; the question, when it is
+compressed with the context), whether it masks entries instead of removing them, whether the offset protocol moves
+its grid, and whether ``--matched-cache`` runs it at the ratio that matches ``ChunkedStridePress``'s cache length.
+The runner, the CLI, the reports and the training configuration read these entries, never a class name.
 """
 
 from __future__ import annotations
@@ -11,34 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-PRESS_DESCRIPTIONS = {
-    "no_press": "no compression (the uncompressed control)",
-    "chunked_stride": "ChunkedStridePress: fixed windows every stride tokens, each keeps its k best tokens by KeyDiff score (:mode=pool merges them into k entries)",
-    "phase_aware": "PhaseAwarePress: the same cache length, the row's best tokens by KeyDiff score wherever they are (no fixed budget per window)",
-    "snapkv": "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
-    "knorm": "kvpress KnormPress (key norm)",
-    "streaming_llm": "kvpress StreamingLLMPress (sink + recent tokens)",
-    "chunkkv": "kvpress ChunkKVPress(SnapKVPress) with chunks of stride tokens (:scorer=NAME wraps another scorer)",
-    "chunk": "kvpress ChunkPress(KnormPress) with chunks of stride tokens (:scorer=NAME wraps another scorer)",
-    "expected_attention": "kvpress ExpectedAttentionPress (attention expected from future queries, extrapolated from the last hidden states)",
-    "tova": "kvpress TOVAPress (attention of the last prefill token)",
-    "keydiff": "kvpress KeyDiffPress (keys least similar to the mean key)",
-    "pyramidkv": "kvpress PyramidKVPress (SnapKV scores, budgets shrinking with depth)",
-    "kvzip": "kvpress KVzipPress (attention while the model repeats the context; global budget across layers and heads, evicted entries masked, not removed)",
-}
-QUESTION_READERS = {"snapkv", "chunkkv", "tova", "pyramidkv", "expected_attention"}
-"""kvpress presses whose scores read the last prefill tokens' queries or hidden states, so the question when it is
-compressed with the context (``--compress-question``); KnormPress, KeyDiffPress, StreamingLLMPress and ChunkPress
-read keys or positions only, and KVzip scores by reconstructing the context, whatever its end."""
-MASKING_PRESSES = {"kvzip"}
-"""kvpress presses that keep every entry and mask the evicted ones during decoding (``module.masked_key_indices``),
-so their cache is not shorter: their cache length is reported as the entries left unmasked."""
-OUR_PRESSES = ("chunked_stride", "phase_aware")
-
-CHUNK_PRESSES = {"chunk": "knorm", "chunkkv": "snapkv"}
-"""kvpress's chunk wrappers (``ChunkPress``, ``ChunkKVPress``; chunks of ``stride`` tokens from the first token) and
-their default scorer. ``chunk:scorer=keydiff`` wraps another scorer of
-:data:`~kvpress_phase.presses.scorers.SCORERS` (the phase audit of kvpress's chunked presses runs them this way)."""
+HIDDEN_STATES, ATTENTIONS, QUESTION = "hidden_states", "attentions", "question"
 
 CHUNK_SCORERS = ("knorm", "keydiff", "snapkv", "tova", "expected_attention")
 """Scorers a chunk wrapper accepts by name (KVzip scores whole contexts, not chunks; random scores are no baseline)."""
@@ -46,22 +24,150 @@ CHUNK_SCORERS = ("knorm", "keydiff", "snapkv", "tova", "expected_attention")
 QUESTION_SCORERS = {"snapkv", "tova", "expected_attention"}
 """Scorer names whose scores read the last prefill tokens, hence the question under ``--query-aware``."""
 
+LEGACY_ROW_OPTIONS = {"align": (True, False), "stagger": ("none", "head", "layer", "head_layer"),
+                      "spread": ("period", "stride"), "overlap": (True, False), "mode": ("pool", "select")}
+"""Settings that ``phase_aware`` specs written before the presses were reshaped may carry and that did nothing
+under ``PhaseAwarePress``'s row budget (the grid and window settings of its per-window budgets, now
+:class:`~kvpress_phase.StaggeredWindowPress`): accepted with their former values, then ignored."""
 
-def reads_question(spec: "PressSpec") -> bool:
-    """Whether the press ``spec`` sees the question when it is compressed with the context: the kvpress presses of
-    :data:`QUESTION_READERS`, and ours when their scores do (a question-aware ``scorer=`` such as SnapKV's, for
-    ``PhaseAwarePress`` or for selection and score weighting in ``ChunkedStridePress``; the defaults' KeyDiff scores do
-    not read it)."""
-    if spec.name in CHUNK_PRESSES:
-        return dict(spec.options).get("scorer", CHUNK_PRESSES[spec.name]) in QUESTION_SCORERS
-    if spec.name in QUESTION_READERS:
-        return True
-    if spec.name not in OUR_PRESSES:
-        return False
-    press = build_press(spec, 0.5, 8, None, 0)
-    return press.needs_scores and type(press.scorer).__name__ in ("SnapKVScorer", "SnapKVPress", "TOVAPress",
-                                                                   "ExpectedAttentionPress")
-PHASE_GRID_PRESSES = OUR_PRESSES  # presses whose grid offset the offset-shift protocol moves
+
+@dataclass(frozen=True)
+class BuildArgs:
+    """What the runner hands a factory: the nominal ratio, the ratio a kvpress baseline runs at (the matched one
+    under ``--matched-cache``), the stride, the window (None: the press's default) and the grid offset."""
+
+    ratio: float
+    base_ratio: float
+    stride: int
+    window: Optional[int]
+    offset: int
+
+
+@dataclass(frozen=True)
+class PressEntry:
+    """One press the evaluation can run."""
+
+    name: str
+    description: str
+    factory: Callable[[dict, BuildArgs], object]
+    """``factory(settings, args)``: the press (None for no compression)."""
+    reads: frozenset = frozenset()
+    """Optional compress inputs its scores read (:data:`HIDDEN_STATES`, :data:`ATTENTIONS`); keys, values and the
+    layer's kwargs always are. :data:`QUESTION`: the scores read the last prefill tokens, so the question when it is
+    compressed with the context."""
+    settings: str = "none"
+    """``"fields"`` (any field of the press), ``"scorer"`` (``scorer=NAME`` of :data:`CHUNK_SCORERS`) or ``"none"``."""
+    masks: bool = False
+    """It keeps every entry and masks the evicted ones while decoding (its cache length is the unmasked entries)."""
+    grid_offset: bool = False
+    """Its window grid has an offset, which the offset protocol moves."""
+    matched: bool = False
+    """``--matched-cache`` runs it at the ratio that gives ``ChunkedStridePress``'s cache length."""
+    default_scorer: Optional[str] = None
+    """The scorer a chunk wrapper wraps unless ``scorer=`` names another."""
+
+
+def _chunked_stride(options: dict, a: BuildArgs):
+    from kvpress_phase import ChunkedStridePress
+
+    return ChunkedStridePress(a.ratio, stride=a.stride, window=a.window or a.stride, offset=a.offset, **options)
+
+
+def _staggered_window(options: dict, a: BuildArgs):
+    from kvpress_phase import StaggeredWindowPress
+
+    window = {"window": a.window} if a.window else {}
+    return StaggeredWindowPress(a.ratio, stride=a.stride, offset=a.offset, **window, **options)
+
+
+def _phase_aware(options: dict, a: BuildArgs):
+    """``PhaseAwarePress``, and the spellings written before the presses were reshaped: ``budget=window`` and
+    ``budget=window_topk`` are :class:`~kvpress_phase.StaggeredWindowPress`; ``budget=row`` is ``PhaseAwarePress``
+    (its only budget), where the settings of :data:`LEGACY_ROW_OPTIONS` did nothing."""
+    from kvpress_phase import PhaseAwarePress
+
+    options = dict(options)
+    budget = options.pop("budget", "row")
+    if budget in ("window", "window_topk"):
+        return _staggered_window({"budget": budget, **options}, a)
+    if budget != "row":
+        raise ValueError(f"budget must be one of ('row', 'window', 'window_topk'), got {budget!r}")
+    for key, allowed in LEGACY_ROW_OPTIONS.items():
+        if key in options and options.pop(key) not in allowed:
+            raise ValueError(f"{key} must be one of {allowed}")
+    window = options.pop("window", None) or a.window
+    if window and window != a.stride:
+        raise ValueError(f"window ({window}) must equal stride ({a.stride}) for PhaseAwarePress, whose choice has no "
+                         "windows; overlapping windows are StaggeredWindowPress's (budget=window)")
+    return PhaseAwarePress(a.ratio, stride=a.stride, offset=a.offset, **options)
+
+
+def _kvpress(class_name: str):
+    def build(options: dict, a: BuildArgs):
+        import kvpress
+
+        return getattr(kvpress, class_name)(a.base_ratio)
+    return build
+
+
+def _kvzip(options: dict, a: BuildArgs):
+    from kvpress_phase.presses.scorers import quiet_kvzip_press
+
+    return quiet_kvzip_press(a.base_ratio)
+
+
+def _chunk(class_name: str, default_scorer: str):
+    """kvpress's chunk wrapper ``class_name`` around kvpress's ``default_scorer`` press, or around the scorer of
+    :data:`~kvpress_phase.presses.scorers.SCORERS` that ``scorer=NAME`` names."""
+    def build(options: dict, a: BuildArgs):
+        import kvpress
+
+        from kvpress_phase.presses.scorers import SCORERS
+
+        scorer = SCORERS[options["scorer"]] if "scorer" in options else getattr(kvpress, default_scorer)
+        return getattr(kvpress, class_name)(press=scorer(a.base_ratio), chunk_length=a.stride)
+    return build
+
+
+_WINDOW_ATTENTION = frozenset({HIDDEN_STATES, ATTENTIONS, QUESTION})
+
+REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
+    PressEntry("no_press", "no compression (the uncompressed control)", lambda options, a: None),
+    PressEntry("chunked_stride", "ChunkedStridePress: fixed windows every stride tokens, each keeps its k best tokens "
+               "by KeyDiff score (:mode=pool merges them into k entries)", _chunked_stride,
+               settings="fields", grid_offset=True),
+    PressEntry("phase_aware", "PhaseAwarePress: the same cache length, the row's best tokens by KeyDiff score "
+               "wherever they are (no fixed budget per window)", _phase_aware,
+               settings="fields", grid_offset=True),
+    PressEntry("staggered_window", "StaggeredWindowPress: a fixed budget per window on grids staggered per head, "
+               "aligned to the scores or overlapping (the studies' ablations; phase_aware:budget=window)",
+               _staggered_window, settings="fields", grid_offset=True),
+    PressEntry("snapkv", "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
+               _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True),
+    PressEntry("knorm", "kvpress KnormPress (key norm)", _kvpress("KnormPress"), matched=True),
+    PressEntry("streaming_llm", "kvpress StreamingLLMPress (sink + recent tokens)", _kvpress("StreamingLLMPress"),
+               matched=True),
+    PressEntry("chunkkv", "kvpress ChunkKVPress(SnapKVPress) with chunks of stride tokens (:scorer=NAME wraps "
+               "another scorer)", _chunk("ChunkKVPress", "SnapKVPress"), settings="scorer", matched=True,
+               default_scorer="snapkv"),
+    PressEntry("chunk", "kvpress ChunkPress(KnormPress) with chunks of stride tokens (:scorer=NAME wraps another "
+               "scorer)", _chunk("ChunkPress", "KnormPress"), settings="scorer", matched=True, default_scorer="knorm"),
+    PressEntry("expected_attention", "kvpress ExpectedAttentionPress (attention expected from future queries, "
+               "extrapolated from the last hidden states)", _kvpress("ExpectedAttentionPress"),
+               reads=_WINDOW_ATTENTION, matched=True),
+    PressEntry("tova", "kvpress TOVAPress (attention of the last prefill token)", _kvpress("TOVAPress"),
+               reads=_WINDOW_ATTENTION, matched=True),
+    PressEntry("keydiff", "kvpress KeyDiffPress (keys least similar to the mean key)", _kvpress("KeyDiffPress"),
+               matched=True),
+    PressEntry("pyramidkv", "kvpress PyramidKVPress (SnapKV scores, budgets shrinking with depth)",
+               _kvpress("PyramidKVPress"), reads=_WINDOW_ATTENTION, matched=True),
+    PressEntry("kvzip", "kvpress KVzipPress (attention while the model repeats the context; global budget across "
+               "layers and heads, evicted entries masked, not removed)", _kvzip, masks=True, matched=True),
+]}
+"""Every press the evaluation can run, by name (the CLI's ``list`` prints them in this order)."""
+
+TRAINABLE_PRESSES = ("chunked_stride", "phase_aware")
+"""Presses a model can be fine-tuned with (``kvpress-phase train --press``)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +178,44 @@ class PressSpec:
     @property
     def label(self) -> str:
         return self.name + "".join(f":{k}={v}" for k, v in self.options)
+
+    @property
+    def entry(self) -> PressEntry:
+        return REGISTRY[self.name]
+
+
+def entry_of(spec) -> PressEntry:
+    """The registry entry of a :class:`PressSpec` or of a spec's text."""
+    return REGISTRY[(spec if isinstance(spec, str) else spec.name).split(":")[0]]
+
+
+def reads_question(spec: PressSpec) -> bool:
+    """Whether the press ``spec`` sees the question when it is compressed with the context: a press whose entry
+    reads it, a chunk wrapper around such a scorer, and ours when their scores do (a question-aware ``scorer=``
+    such as SnapKV's, for ``PhaseAwarePress`` or for selection and score weighting in ``ChunkedStridePress``; the
+    defaults' KeyDiff scores do not read it)."""
+    entry = spec.entry
+    options = dict(spec.options)
+    if entry.settings == "scorer":
+        return options.get("scorer", entry.default_scorer) in QUESTION_SCORERS
+    if entry.settings == "fields":
+        return options.get("scorer") in QUESTION_SCORERS and build_press(spec, 0.5, 8, None, 0).needs_scores
+    return QUESTION in entry.reads
+
+
+def prefill_reads(spec: PressSpec) -> frozenset:
+    """The optional compress inputs the press ``spec`` reads (:data:`HIDDEN_STATES`, :data:`ATTENTIONS`), which the
+    replayed prefill must record: its entry's, or for a press that takes a scorer (ours, kvpress's chunk wrappers),
+    its scorer's entry's (a scorer without one, such as random scores, is assumed to read both). kvpress's chunk
+    wrappers also need the attention weights as recorded: they refuse any they are handed."""
+    entry = spec.entry
+    if entry.settings == "none":
+        return entry.reads - {QUESTION}
+    scorer = dict(spec.options).get("scorer", entry.default_scorer or "keydiff")
+    reads = REGISTRY[scorer].reads if scorer in REGISTRY else frozenset({HIDDEN_STATES, ATTENTIONS})
+    if entry.settings == "scorer":
+        reads = reads | {ATTENTIONS}
+    return reads - {QUESTION}
 
 
 def _parse_value(text: str):
@@ -89,18 +233,19 @@ def _parse_value(text: str):
 def parse_press_spec(text: str) -> PressSpec:
     """``name[:key=value...]`` to a :class:`PressSpec`; ValueError naming the problem otherwise."""
     name, *settings = text.strip().split(":")
-    if name not in PRESS_DESCRIPTIONS:
-        raise ValueError(f"unknown press {name!r}; valid presses: {', '.join(PRESS_DESCRIPTIONS)}")
+    if name not in REGISTRY:
+        raise ValueError(f"unknown press {name!r}; valid presses: {', '.join(REGISTRY)}")
+    entry = REGISTRY[name]
     options = []
     for item in settings:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"press setting {item!r} in {text!r} must look like key=value")
-        if name in CHUNK_PRESSES:
+        if entry.settings == "scorer":
             if key != "scorer" or value not in CHUNK_SCORERS:
                 raise ValueError(f"press {name!r} takes only scorer=NAME with NAME one of {', '.join(CHUNK_SCORERS)} "
                                  f"(got {item!r})")
-        elif name not in OUR_PRESSES:
+        elif entry.settings == "none":
             raise ValueError(f"press {name!r} takes no settings (got {item!r})")
         if key == "decoding":
             raise ValueError(
@@ -121,7 +266,7 @@ def matched_ratio(context_length: int, stride: int, compression_ratio: float) ->
     from kvpress_phase import ChunkedStridePress
     from kvpress_phase.phase import compressed_length
 
-    ref = ChunkedStridePress(compression_ratio, stride=stride, window=stride)
+    ref = ChunkedStridePress(compression_ratio, stride=stride)
     kept = compressed_length(context_length, stride, compression_ratio, ref.n_sink, ref.n_local)
     return min(max((context_length - kept - 0.5) / context_length, 0.0), 0.999999)
 
@@ -130,45 +275,17 @@ def build_press(spec: PressSpec, compression_ratio: float, stride: int, window: 
                 *, matched_context_length: Optional[int] = None):
     """The press ``spec`` at ``compression_ratio`` (None for ``no_press``).
 
-    With ``matched_context_length``, the kvpress baselines run at :func:`matched_ratio` for that many tokens
-    instead of the nominal ratio, so that they keep as many entries as ``ChunkedStridePress`` does.
+    With ``matched_context_length``, the presses whose entry is ``matched`` (kvpress's) run at
+    :func:`matched_ratio` for that many tokens instead of the nominal ratio, so that they keep as many entries as
+    ``ChunkedStridePress`` does.
     """
-    from kvpress import (ChunkKVPress, ChunkPress, ExpectedAttentionPress, KeyDiffPress, KnormPress, PyramidKVPress,
-                         SnapKVPress, StreamingLLMPress, TOVAPress)
-
-    from kvpress_phase.presses.scorers import SCORERS, quiet_kvzip_press
-
-    from kvpress_phase import ChunkedStridePress, PhaseAwarePress
-
-    options = dict(spec.options)  # our presses build a scorer= name from kvpress_phase.presses.scorers.SCORERS
-
-    def chunk_scorer(default):  # the scorer a chunk wrapper wraps: its default, or scorer=NAME
-        return SCORERS[options["scorer"]](base_ratio) if "scorer" in options else default(base_ratio)
-
+    entry = spec.entry
     base_ratio = compression_ratio
-    if matched_context_length is not None and spec.name not in OUR_PRESSES and compression_ratio > 0:
+    if matched_context_length is not None and entry.matched and compression_ratio > 0:
         base_ratio = matched_ratio(matched_context_length, stride, compression_ratio)
-    factories: dict[str, Callable] = {
-        "no_press": lambda: None,
-        "chunked_stride": lambda: ChunkedStridePress(
-            compression_ratio, stride=stride, window=window or stride, offset=offset, **options
-        ),
-        "phase_aware": lambda: PhaseAwarePress(
-            compression_ratio, stride=stride, offset=offset, **({"window": window} if window else {}), **options
-        ),
-        "snapkv": lambda: SnapKVPress(base_ratio),
-        "knorm": lambda: KnormPress(base_ratio),
-        "streaming_llm": lambda: StreamingLLMPress(base_ratio),
-        "chunkkv": lambda: ChunkKVPress(press=chunk_scorer(SnapKVPress), chunk_length=stride),
-        "chunk": lambda: ChunkPress(press=chunk_scorer(KnormPress), chunk_length=stride),
-        "expected_attention": lambda: ExpectedAttentionPress(base_ratio),
-        "tova": lambda: TOVAPress(base_ratio),
-        "keydiff": lambda: KeyDiffPress(base_ratio),
-        "pyramidkv": lambda: PyramidKVPress(base_ratio),
-        "kvzip": lambda: quiet_kvzip_press(base_ratio),
-    }
+    args = BuildArgs(compression_ratio, base_ratio, stride, window if entry.grid_offset else None,
+                     offset if entry.grid_offset else 0)
     try:
-        return factories[spec.name]()
+        return entry.factory(dict(spec.options), args)
     except TypeError as exc:  # an unknown keyword in the settings
         raise ValueError(f"invalid setting for press {spec.label!r}: {exc}") from None
-

@@ -2,7 +2,7 @@
 
 kvpress compression changes only the cache, so a context is prefilled once with a capturing press that records, for
 every hooked attention layer, the arguments kvpress would hand to ``press.compress`` (only the optional inputs the
-presses under test read, :func:`press_reads`; on the CPU with ``offload="cpu"``). :class:`ReplayEngine` applies any
+presses under test read, :func:`.presses.prefill_reads`; on the CPU with ``offload="cpu"``). :class:`ReplayEngine` applies any
 press to the recorded inputs and decodes the questions over the compressed caches, once per distinct cache
 (:func:`cache_fingerprint`).
 """
@@ -18,29 +18,10 @@ from typing import Iterable, Optional
 import torch
 from kvpress import BasePress, KVPressTextGenerationPipeline
 
-HIDDEN_STATES, ATTENTIONS = "hidden_states", "attentions"
+from .presses import ATTENTIONS, HIDDEN_STATES
+
+ALL_INPUTS = frozenset({HIDDEN_STATES, ATTENTIONS})
 OFFLOAD_CHOICES = (None, "cpu")
-
-
-def press_reads(press: Optional[BasePress]) -> frozenset:
-    """Which optional compress inputs ``press`` reads: a subset of ``{"hidden_states", "attentions"}``.
-
-    Keys, values and the layer's kwargs are always recorded. Only presses known to ignore the hidden states and the
-    attention weights are listed here; any other press is assumed to read both, so nothing it needs is dropped.
-    """
-    from kvpress import ChunkKVPress, ChunkPress, KeyDiffPress, KnormPress, StreamingLLMPress
-
-    from kvpress_phase.presses import WindowedPress
-
-    from kvpress_phase.presses.scorers import KVzipScorer
-
-    if press is None or type(press) in (KnormPress, KeyDiffPress, StreamingLLMPress, KVzipScorer):
-        return frozenset()
-    if type(press) in (ChunkPress, ChunkKVPress):  # they assert that no attention weights are passed
-        return frozenset({ATTENTIONS}) | press_reads(press.press)
-    if isinstance(press, WindowedPress):  # keys, values and the scorer's inputs
-        return press_reads(press.scorer)
-    return frozenset({HIDDEN_STATES, ATTENTIONS})
 
 
 def _not_captured(tensor: torch.Tensor) -> torch.Tensor:
@@ -141,26 +122,25 @@ class ReplayEngine:
         max_len = min(self.tokenizer.model_max_length, int(1e10))
         return self.pipe.preprocess(context, questions, answer_prefix, max_len)
 
-    def shared_prefill(self, context_ids: torch.Tensor, presses: Optional[Iterable] = None) -> Prefill:
-        """:meth:`prefill`, reusing the last prefill when it was of the same tokens and recorded what ``presses``
-        read (the offset protocol's text does not depend on the stride, so a sweep over strides prefills, scores and
+    def shared_prefill(self, context_ids: torch.Tensor, reads: Optional[Iterable] = None) -> Prefill:
+        """:meth:`prefill`, reusing the last prefill when it was of the same tokens and recorded ``reads`` (the offset protocol's text does not depend on the stride, so a sweep over strides prefills, scores and
         decodes the uncompressed control once per context). One prefill is kept."""
-        reads = frozenset({HIDDEN_STATES, ATTENTIONS}) if presses is None else \
-            frozenset().union(*[press_reads(p) for p in presses])
+        reads = ALL_INPUTS if reads is None else frozenset(reads)
         last = getattr(self, "_last_prefill", None)
         if last is not None and reads <= last.reads and torch.equal(last.context_ids, context_ids):
             return last
         self._last_prefill = None  # free it before the next prefill
-        self._last_prefill = self.prefill(context_ids, presses)
+        self._last_prefill = self.prefill(context_ids, reads)
         return self._last_prefill
 
     @torch.inference_mode()
-    def prefill(self, context_ids: torch.Tensor, presses: Optional[Iterable] = None) -> Prefill:
-        """Prefill ``context_ids`` and record the compress inputs that ``presses`` read (all of them when None)."""
+    def prefill(self, context_ids: torch.Tensor, reads: Optional[Iterable] = None) -> Prefill:
+        """Prefill ``context_ids`` and record the optional compress inputs ``reads`` (a subset of
+        ``{"hidden_states", "attentions"}``, what the presses to replay read: :func:`.presses.prefill_reads`; all of
+        them when None). Keys, values and the layers' kwargs are always recorded."""
         from transformers import DynamicCache
 
-        reads = frozenset({HIDDEN_STATES, ATTENTIONS}) if presses is None else \
-            frozenset().union(*[press_reads(p) for p in presses])
+        reads = ALL_INPUTS if reads is None else frozenset(reads)
         capture = _CapturePress(reads=reads, offload=self.offload)
         cache = DynamicCache()
         with capture(self.model):
@@ -175,12 +155,6 @@ class ReplayEngine:
         are :meth:`masks`."""
         if _is_kvzip(press):
             return self.compressed_cache(state, None)
-        missing = press_reads(press) - state.reads
-        if missing:
-            raise ValueError(
-                f"{type(press).__name__} reads {', '.join(sorted(missing))}, which this prefill did not record; "
-                "pass the press to prefill(..., presses=[...])"
-            )
         cache = copy.copy(state.cache)
         cache.layers = [copy.copy(layer) for layer in state.cache.layers]
         if press is None and state.offload is None:
@@ -190,8 +164,17 @@ class ReplayEngine:
             if getattr(getattr(press, "scorer", None), "needs_context", False):  # KVzipScorer: once per prefill
                 press.scorer.scores = self._kvzip_scores(state)
         device = self.model.device
-        with _shared_scores(press, state):
-            self._compress_layers(state, press, cache, device)
+        missing = ALL_INPUTS - state.reads
+        try:
+            with _shared_scores(press, state):
+                self._compress_layers(state, press, cache, device)
+        except (RuntimeError, NotImplementedError) as exc:
+            if not missing or "meta" not in str(exc):
+                raise
+            raise ValueError(
+                f"{type(press).__name__} reads what this prefill did not record ({', '.join(sorted(missing))}); "
+                "prefill with reads= including it (evaluation.presses.prefill_reads gives a press spec's)"
+            ) from exc
         return cache
 
     def _compress_layers(self, state: Prefill, press, cache, device) -> None:

@@ -11,7 +11,7 @@ would give (``tests/evaluation/test_runner.py``); the batched and drafted path g
 rounding at near-ties (``tests/evaluation/test_batched_decoding.py``, ``tests/models/``).
 
 The prefill records only what the presses under test read (hidden states only for presses that read them, see
-:func:`.replay.press_reads`), holds one context at a time, and with ``offload="cpu"`` keeps the recorded tensors in
+:func:`.presses.prefill_reads`), holds one context at a time, and with ``offload="cpu"`` keeps the recorded tensors in
 CPU memory (README, "Memory of the replay runner", has the peak-memory formula). Variants are decoded once per
 distinct compressed cache (:func:`.replay.cache_fingerprint`), and the needle-attention diagnostic is taken from the
 answer's own first decoding step (:class:`~.diagnostics.AttentionProbe`).
@@ -34,7 +34,7 @@ Where each part lives (this module re-exports the public names of the others, so
 - :mod:`.config`: the configuration (:class:`~.config.EvalConfig`, its validation and fingerprint, ``SETTINGS``),
   the plan of a run (:class:`~.config.WorkUnit`, :func:`~.config.plan_units`, :func:`~.config.variants`) and the
   context-length check against the model's positions;
-- :mod:`.replay`: the recorded prefill (:class:`~.replay.Prefill`, :func:`~.replay.press_reads`) and
+- :mod:`.replay`: the recorded prefill (:class:`~.replay.Prefill`) and
   :class:`~.replay.ReplayEngine`, which compresses it under any press and decodes the answers, with the identity
   of compressed caches (:func:`~.replay.cache_fingerprint`) and the scores shared between presses;
 - :mod:`.store`: the results shards (reading, resuming, :func:`~.store.record_key`, ``RESULTS_DIR``) and the
@@ -54,10 +54,9 @@ import pandas as pd
 import torch
 
 from .config import SETTINGS, EvalConfig, WorkUnit, check_context_lengths, duplicate_k, plan_units, variants
-from .presses import PHASE_GRID_PRESSES, build_press
+from .presses import build_press, prefill_reads
 from .prompting import check_tokenizer
-from .replay import (ATTENTIONS, HIDDEN_STATES, OFFLOAD_CHOICES, Prefill, ReplayEngine, cache_fingerprint,
-                     press_reads)
+from .replay import ATTENTIONS, HIDDEN_STATES, OFFLOAD_CHOICES, Prefill, ReplayEngine, cache_fingerprint
 from .store import (RESULTS_DIR, OutputDirInUse, ShardWarning, _read_shard, lock_path, output_lock, read_results,
                     record_key, removed_if_failed_empty)
 from .tasks import score
@@ -65,7 +64,7 @@ from .tasks import score
 __all__ = [  # the run, and the names other code imports from here (defined in .config, .replay and .store)
     "run_evaluation", "prefill_prompt", "distributed_state",
     "SETTINGS", "EvalConfig", "WorkUnit", "check_context_lengths", "duplicate_k", "plan_units", "variants",
-    "ATTENTIONS", "HIDDEN_STATES", "OFFLOAD_CHOICES", "Prefill", "ReplayEngine", "cache_fingerprint", "press_reads",
+    "ATTENTIONS", "HIDDEN_STATES", "OFFLOAD_CHOICES", "Prefill", "ReplayEngine", "cache_fingerprint",
     "RESULTS_DIR", "OutputDirInUse", "ShardWarning", "lock_path", "output_lock", "read_results", "record_key",
     "removed_if_failed_empty",
 ]
@@ -161,7 +160,7 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
     from .diagnostics import needle_mass
 
     # what the unit's presses read decides what the prefill records (offsets do not change it)
-    reads_of = [build_press(spec, ratio, unit.stride, window, 0) for spec, ratio, window in unit_variants]
+    reads = frozenset().union(*[prefill_reads(spec) for spec, _, _ in unit_variants])
     setting = SETTINGS[config.compress_question]
     prompts: dict[tuple, list] = {}
     for row in unit.rows:
@@ -187,13 +186,13 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
         encoded = engine.encode(context, [question], answer_prefix)
         if config.compress_question:
             _check_question_appended(engine, rows[0], encoded)
-        state = engine.shared_prefill(encoded["context_ids"], presses=reads_of)
+        state = engine.shared_prefill(encoded["context_ids"], reads=reads)
         question_ids = encoded["questions_ids"][0]
         needles = sorted({(row["needle_token_start"], row["needle_token_end"]) for row, *_ in pending})
         jobs: dict[tuple, int] = {}
         presses = []
         for row, spec, ratio, window, record in pending:
-            offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
+            offset = row["offset"] if spec.entry.grid_offset else 0
             job = (spec.label, ratio, window, offset)
             if job not in jobs:
                 jobs[job] = len(presses)
@@ -212,7 +211,7 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
                 att, cache = engine.attention_rows(state, None, question_ids)
                 full_masses = {n: needle_mass(att, state, None, cache, n, question_ids.shape[1]) for n in needles}
         for row, spec, ratio, window, record in pending:
-            offset = row["offset"] if spec.name in PHASE_GRID_PRESSES else 0
+            offset = row["offset"] if spec.entry.grid_offset else 0
             i = jobs[(spec.label, ratio, window, offset)]
             press, result = presses[i], answers[i]
             needle = (row["needle_token_start"], row["needle_token_end"])

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from .metrics import boundary_test, phase_matrix, summarize
-from .presses import OUR_PRESSES
+from .presses import REGISTRY
 from .store import read_results
 
 CELL = ["setting", "task", "context_length", "stride", "compression_ratio"]
@@ -150,7 +150,7 @@ def main(argv: Optional[list] = None) -> int:
         print(f"targets: error: {exc}", file=sys.stderr)
         return 2
     records = pd.DataFrame(summarize(results, n_resamples=1000))
-    baselines = [b for b in args.baselines.split(",") if b and b.split(":")[0] not in OUR_PRESSES]
+    baselines = [b for b in args.baselines.split(",") if b and getattr(REGISTRY.get(b.split(":")[0]), "matched", False)]
     table = targets(records, args.press, args.reference, baselines)
     text = "\n".join([targets_markdown(table, args.press, args.reference), science(results, records),
                       depth_markdown(records)])

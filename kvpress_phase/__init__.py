@@ -27,6 +27,8 @@ _LAZY = {
     "ChunkedStridePress": "kvpress_phase.presses.chunked_stride_press",
     "PhaseAwarePress": "kvpress_phase.presses.phase_aware_press",
     "PerLayerWindowedPress": "kvpress_phase.presses.per_layer",
+    "StaggeredWindowPress": "kvpress_phase.presses.staggered_window_press",
+    "WindowedDecodingPress": "kvpress_phase.presses.decoding",
     "WindowLayout": "kvpress_phase.phase",
     "phase_of": "kvpress_phase.phase",
     "builtin_model_path": "kvpress_phase.builtin",

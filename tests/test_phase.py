@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress
 from kvpress_phase.phase import (WindowLayout, compressed_length, group_bounds, group_membership, kept_per_window,
                                  merge_period, n_windows, phase_of, ratio_mismatch, window_ratio)
 
@@ -61,7 +61,7 @@ def test_the_cases_that_motivated_the_rule():
     assert "no compression" in ratio_mismatch(1, 0.5)
 
 
-@pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
+@pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress])
 def test_warning_once_per_press(cls):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -74,7 +74,7 @@ def test_warning_once_per_press(cls):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cls(compression_ratio=0.5, stride=8).validate()
-        cls(compression_ratio=0.25, stride=10, window=10)  # k = 7 (tie, more compression): 0.3, within 1/20
+        cls(compression_ratio=0.25, stride=10)  # k = 7 (tie, more compression): 0.3, within 1/20
     assert not [w for w in caught if "per-window ratio" in str(w.message)]
 
 

@@ -120,7 +120,7 @@ class FinetuneConfig:
     # -------------------------------------------------------------------------------- validation
     def validate(self) -> None:
         """ValueError naming the first invalid setting (checks that need no model or tokenizer)."""
-        from kvpress_phase.evaluation.presses import OUR_PRESSES, parse_press_spec
+        from kvpress_phase.evaluation.presses import TRAINABLE_PRESSES, parse_press_spec
         from kvpress_phase.evaluation.tasks import get_task
 
         keys = {item.partition("=")[0].strip() for item in str(self.press).split(":")[1:]}
@@ -128,8 +128,8 @@ class FinetuneConfig:
             if key in keys:
                 raise ValueError(f"press setting {key!r} is set by the trainer (ratios, strides, offset-mode), "
                                  f"not in --press")
-        if str(self.press).strip().split(":")[0] not in OUR_PRESSES:  # before parsing, which lists every press
-            raise ValueError(f"press must be one of {', '.join(OUR_PRESSES)} (optionally with :key=value settings), "
+        if str(self.press).strip().split(":")[0] not in TRAINABLE_PRESSES:  # before parsing, which lists every press
+            raise ValueError(f"press must be one of {', '.join(TRAINABLE_PRESSES)} (optionally with :key=value settings), "
                              f"got {self.press!r}")
         spec = parse_press_spec(self.press)
         if dict(spec.options).get("backend") == "triton":

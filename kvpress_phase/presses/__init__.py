@@ -1,8 +1,22 @@
-"""The presses of kvpress-phase: each in its own file, all subclasses of :class:`kvpress.BasePress`."""
+"""The presses of kvpress-phase: each in its own file, all kvpress presses (:class:`kvpress.BasePress`).
 
-from kvpress_phase.presses.base import LayerStats, WindowedPress
+- :class:`ChunkedStridePress` (chunked_stride_press.py): fixed windows every ``stride`` tokens, ``k`` entries each;
+- :class:`PhaseAwarePress` (phase_aware_press.py): the same cache length, the row's best tokens;
+- :class:`StaggeredWindowPress` (staggered_window_press.py): fixed per-window budgets on moving grids (ablations);
+- :class:`PerLayerWindowedPress` (per_layer.py): a ratio per layer for any of them;
+- :class:`WindowedDecodingPress` (decoding.py): any of them while generating too.
+
+What they share (parameters, the compress step's frame) is in base.py; token choice by score in choice.py; scorers
+beyond kvpress's in scorers.py.
+"""
+
+from kvpress_phase.presses.base import WindowedPress
 from kvpress_phase.presses.chunked_stride_press import ChunkedStridePress
+from kvpress_phase.presses.decoding import WindowedDecodingPress
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
+from kvpress_phase.presses.staggered_window_press import StaggeredWindowPress
+from kvpress_phase.presses.stats import LayerStats
 
-__all__ = ["ChunkedStridePress", "PhaseAwarePress", "PerLayerWindowedPress", "WindowedPress", "LayerStats"]
+__all__ = ["ChunkedStridePress", "PhaseAwarePress", "StaggeredWindowPress", "PerLayerWindowedPress",
+           "WindowedDecodingPress", "WindowedPress", "LayerStats"]

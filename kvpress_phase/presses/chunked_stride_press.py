@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-from kvpress_phase.presses.base import WindowedPress
+import torch
+from torch import nn
+
+from kvpress_phase.kernels import Compressed
+from kvpress_phase.phase import WindowLayout, check_number
+from kvpress_phase.presses.base import WindowedPress, check_window_options, fixed_windows, pooled_entry_ends
 
 
 @dataclass
@@ -35,18 +41,16 @@ class ChunkedStridePress(WindowedPress):
     A sequence too short for one window passes through unchanged.
 
     Defaults: **selection** (``mode="select"``: each window keeps its ``k`` best tokens, which keep their original
-    rotation) scored by kvpress's ``KeyDiffPress`` (keys least similar to the mean key; query-agnostic, keys only).
-    They were chosen on the real pretrained model SmolLM2-135M-Instruct under a pre-registered dev split
-    (``docs/preregistration-real-model.md``): pooled entries are toxic to a model never trained with them (pooling
-    scored 0.00-0.06 in every dev cell, whatever the RoPE handling), and KeyDiff was the best cheap per-window
-    scorer (mean 0.21 over the dev cells, key norms 0.08, SnapKV 0.02). Pooling (``mode="pool"``) stays for models
-    trained with a pooled cache: the built-in ``chunked`` model was trained with it (``RESULTS.md``, section 5).
-    On the held-out test split (``RESULTS.md``, section R1) the default averaged 0.48 over 18 cells (no compression
-    0.91, pooling 0.08), with weak phases in the middle of its windows on ``niah_single``.
+    rotation) scored by kvpress's ``KeyDiffPress`` (keys least similar to the mean key; query-agnostic, keys only),
+    chosen on the real pretrained model's pre-registered dev split (``docs/preregistration-real-model.md``): pooled
+    entries hurt a model never trained with them, and KeyDiff was the best cheap per-window scorer. Pooling
+    (``mode="pool"``) is for models trained with a pooled cache, such as the built-in ``chunked`` model. How the
+    defaults score, and where their weak phases are: ``RESULTS.md`` (sections R1 and 5).
 
     Positions. A key's index in the cache is taken as its position, which holds only when no other press has
     shortened the cache before: on a shortened cache (fewer keys than the layer's tokens) the press raises
-    ``ValueError``; in a ``kvpress.ComposedPress`` put it first. A ratio per layer: :class:`PerLayerWindowedPress`.
+    ``ValueError``; in a ``kvpress.ComposedPress`` put it first. A ratio per layer: :class:`PerLayerWindowedPress`;
+    generated tokens compressed too: :class:`~kvpress_phase.WindowedDecodingPress`.
 
     Parameters
     ----------
@@ -73,8 +77,9 @@ class ChunkedStridePress(WindowedPress):
         ``compression_ratio`` is ignored. Any kvpress ``ScorerPress``, or
         :class:`~kvpress_phase.presses.scorers.KVzipScorer` (KVzip's reconstruction scores; the press then
         compresses after the prefill), or a name of :data:`~kvpress_phase.presses.scorers.SCORERS` (``"knorm"``,
-        ``"snapkv"``, ``"keydiff"``, ...), which the press replaces with that scorer built with its defaults. While decoding (``decoding=True``) a scorer sees only the block being
-        compressed: KeyDiff's mean key is then the block's.
+        ``"snapkv"``, ``"keydiff"``, ...), which the press replaces with that scorer built with its defaults. While
+        decoding (:class:`~kvpress_phase.WindowedDecodingPress`) a scorer sees only the block being compressed:
+        KeyDiff's mean key is then the block's.
     weighting : {"mean", "score"}, default "mean"
         Pool weights inside each merged group: uniform, or softmax of the scorer's scores.
     rope : {"start", "center", "centroid", "none"}, default "start"
@@ -83,12 +88,41 @@ class ChunkedStridePress(WindowedPress):
         start (as in the reproduction of the paper), its centre, or its weight-averaged position.
     backend : {"auto", "triton", "torch"} or None, default None
         Kernel backend (None reads ``KVPRESS_PHASE_BACKEND``, default auto: Triton on CUDA tensors).
-    decoding : bool, default False
-        Also compress while generating: as tokens leave the ``n_local`` window, every complete stride block of
-        every row is compressed into ``k`` entries on the prefill's grid, so after every forward pass the cache
-        holds exactly ``compressed_length(n)`` entries for the ``n`` tokens seen so far (see
-        :mod:`kvpress_phase.presses.decoding`). The press is then also a kvpress ``PrefillDecodingPress``, so
-        ``pipe(..., press=press, max_new_tokens=...)`` keeps it active while generating (one question per context).
-
     Every parameter is validated at construction; invalid values raise ``ValueError`` naming the parameter.
     """
+
+    window: Optional[int] = None
+    mode: str = "select"
+    weighting: str = "mean"
+    rope: str = "start"
+
+    def validate(self) -> None:
+        super().validate()
+        check_window_options(self.mode, self.weighting, self.rope)
+        if self.window is not None:
+            check_number("window", self.window, self.stride)
+        if self.mode == "select" and self.effective_window != self.stride:
+            raise ValueError(
+                f"window must equal stride ({self.stride}) in mode='select' (got {self.effective_window}): "
+                "overlapping windows would keep a token twice; use mode='pool' for overlapping windows"
+            )
+
+    @property
+    def effective_window(self) -> int:
+        return self.stride if self.window is None else self.window
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.mode == "select" or self.weighting == "score"
+
+    @property
+    def needs_rope(self) -> bool:
+        return self.mode == "pool" and self.rope != "none"
+
+    def compress_windows(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor,
+                         scores: Optional[torch.Tensor], layout: WindowLayout) -> Compressed:
+        """Every window yields its ``k`` best tokens, or ``k`` entries pooled from its slots."""
+        return fixed_windows(self, module, keys, values, scores, layout)
+
+    def entry_ends(self, layout: WindowLayout, positions: torch.Tensor) -> torch.Tensor:
+        return pooled_entry_ends(layout, positions) if self.mode == "pool" else positions + 1

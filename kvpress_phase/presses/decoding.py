@@ -1,11 +1,11 @@
-"""Chunked compression during decoding (``decoding=True`` on either press).
+"""Chunked compression during decoding: :class:`WindowedDecodingPress`, which wraps a windowed press.
 
 After the prefill, each row of the cache holds, in order: the raw tokens before its first window, ``k`` entries
 per compressed window, then the raw tokens after its last window, up to the end of the cache. Every row has
 removed the same number of entries ``D``, so in that raw tail the entry at cache index ``c`` is the token at
 position ``c + D`` for every row. Decoding appends tokens to that tail.
 
-With ``decoding=True`` the press keeps, per layer, where each row's grid stands (:class:`DecodingState`: the
+The wrapper keeps, per layer, where each row's grid stands (:class:`DecodingState`: the
 start of its next stride block, its ``k``, ``D``). After every forward pass that is not the prefill it counts the
 tokens seen so far, ``n = cache length + D``, and compresses the next stride blocks of every row as soon as
 :func:`~kvpress_phase.phase.n_windows` says ``n`` tokens hold that many windows: the same rule as the prefill,
@@ -25,25 +25,109 @@ Length rule: after every forward pass (prefill, question, each generated token) 
 during a step's own attention, before that step's compression, at most ``stride - k`` (so at most ``stride - 1``)
 more.
 
-kvpress's pipeline keeps a press active while it generates only if the press is a ``PrefillDecodingPress``, so a
-press with ``decoding=True`` becomes an instance of a subclass that is also one (:func:`decoding_class`); it then
-answers one question per context, as every kvpress decoding press does.
+kvpress's pipeline keeps a press active while it generates only if the press is a ``PrefillDecodingPress`` (or a
+``DecodingPress``), so the wrapper is one; it then answers one question per context, as every kvpress decoding press
+does.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import torch
 from kvpress import BasePress, PrefillDecodingPress
+from kvpress.presses.base_press import is_prefilling
 from torch import nn
 from transformers import QuantizedCache
 
 from kvpress_phase.phase import WindowLayout, n_windows
+from kvpress_phase.presses.base import WindowedPress
+from kvpress_phase.presses.per_layer import PerLayerWindowedPress
 from kvpress_phase.presses.scorers import SnapKVScorer
 from kvpress_phase.presses.stats import LayerStats
+
+
+@dataclass
+class WindowedDecodingPress(PrefillDecodingPress):
+    """``press`` during the prefill, and while generating too: generated tokens are compressed on the prefill's grid.
+
+    As generated tokens leave the ``n_local`` window, every complete stride block of every row is compressed into
+    ``k`` entries by ``press``'s own step 3, so after every forward pass the cache holds exactly
+    ``compressed_length(n)`` entries for the ``n`` tokens seen so far (module docstring). A kvpress
+    ``PrefillDecodingPress``, so ``pipe(context, question=..., press=WindowedDecodingPress(press))`` keeps it active
+    while generating (one question per context, as for every kvpress decoding press); it also works as either side of
+    kvpress's own ``PrefillDecodingPress``.
+
+    Parameters
+    ----------
+    press : ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress or PerLayerWindowedPress
+        The press that compresses the prefill, and whose windows the generated tokens continue. Its scorer must
+        score keys it is handed alone (not KVzip's, which needs the whole context).
+    """
+
+    prefilling_press: Optional[BasePress] = field(default=None, init=False, repr=False, compare=False)
+    decoding_press: Optional[BasePress] = field(default=None, init=False, repr=False, compare=False)
+    press: Union[WindowedPress, PerLayerWindowedPress, None] = None
+    decoding_state: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        windowed = self.windowed
+        if not isinstance(windowed, WindowedPress):
+            raise ValueError(
+                "press must be a ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress or PerLayerWindowedPress, "
+                f"got {type(self.press).__name__}; for a kvpress ScorerPress use kvpress's DecodingPress")
+        if getattr(windowed.scorer, "needs_context", False):
+            raise ValueError(f"WindowedDecodingPress cannot use {type(windowed.scorer).__name__}: its scores need the "
+                             "whole context, which a decoding step does not have")
+
+    @property
+    def windowed(self):
+        """The windowed press that compresses blocks (inside a :class:`PerLayerWindowedPress`, its press)."""
+        return self.press.press if isinstance(self.press, PerLayerWindowedPress) else self.press
+
+    @property
+    def stats(self) -> dict:
+        return self.press.stats
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    @property
+    def stride(self) -> int:
+        return self.windowed.stride
+
+    @property
+    def n_sink(self) -> int:
+        return self.windowed.n_sink
+
+    @property
+    def n_local(self) -> int:
+        return self.windowed.n_local
+
+    def post_init_from_model(self, model):
+        self.press.post_init_from_model(model)
+
+    def compress(self, module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 attentions: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill's compression by ``press``, then where each row's grid stands (:func:`start`)."""
+        keys, values = self.press.compress(module, hidden_states, keys, values, attentions, kwargs)
+        layer_idx = getattr(module, "layer_idx", 0)
+        stats = self.press.stats[layer_idx]
+        layout = stats.layout if stats.requested_ratio else None
+        start(self, module, layout, keys.shape[2], kwargs)
+        return keys, values
+
+    def forward_hook(self, module: nn.Module, input, kwargs: dict, output):
+        if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            return BasePress.forward_hook(self, module, input, kwargs, output)
+        return decode_step(self, module, kwargs, output)
+
+    def reset(self) -> None:
+        """Kept for kvpress's ``PrefillDecodingPress``, which calls it on its decoding press whenever its context
+        exits: the decoding state belongs to the cache the prefill compressed and is replaced by the next prefill."""
 
 
 @dataclass
@@ -73,70 +157,31 @@ class DecodingState:
         return self.cache_len + self.removed
 
 
-# ------------------------------------------------------------------------------------------------ classes
-_VARIANTS: dict[type, type] = {}
-_BASES: dict[type, type] = {}
-
-
-def decoding_class(cls: type) -> type:
-    """The subclass of ``cls`` that is also a kvpress ``PrefillDecodingPress``.
-
-    kvpress's pipeline decides from the press's type whether to keep it active while generating. The subclass
-    only adds that base; every method comes from ``cls`` (and ``__call__`` from kvpress's ``BasePress``). It is
-    registered in this module under ``Decoding<name>`` so that instances pickle.
-    """
-    if cls in _BASES or issubclass(cls, PrefillDecodingPress):
-        return cls
-    variant = _VARIANTS.get(cls)
-    if variant is None:
-        name = f"Decoding{cls.__name__}"
-        if name in globals():
-            name = f"Decoding{cls.__module__.replace('.', '_')}_{cls.__name__}"
-        variant = type(name, (cls, PrefillDecodingPress), {
-            "__module__": __name__,
-            "__qualname__": name,
-            "__doc__": f"{cls.__name__} with decoding=True: also a kvpress PrefillDecodingPress, so kvpress's "
-                       f"pipeline keeps it active while generating. See {cls.__name__}.",
-            "__call__": BasePress.__call__,
-        })
-        _VARIANTS[cls] = variant
-        _BASES[variant] = cls
-        globals()[name] = variant
-    return variant
-
-
-def sync_decoding_class(obj: object, decoding: bool) -> None:
-    """Make ``obj`` an instance of :func:`decoding_class` of its class when ``decoding``, of its class otherwise."""
-    cls = type(obj)
-    base = _BASES.get(cls, cls)
-    target = decoding_class(base) if decoding else base
-    if target is not cls:
-        obj.__class__ = target
-
-
 # ------------------------------------------------------------------------------------------------ state
-def start(press, module: nn.Module, layout: Optional[WindowLayout], cache_len: int, kwargs: dict) -> None:
+def start(wrapper: WindowedDecodingPress, module: nn.Module, layout: Optional[WindowLayout], cache_len: int,
+          kwargs: dict) -> None:
     """Record, after the prefill compressed a layer, where its grids stand (``layout`` None: not compressed)."""
     layer_idx = getattr(module, "layer_idx", 0)
     cache = kwargs.get("past_key_values") if kwargs else None
     ref = weakref.ref(cache) if cache is not None else None
     if layout is None:  # compression_ratio 0: k == stride, nothing to compress while decoding either
-        press.decoding_state[layer_idx] = DecodingState(
+        press = wrapper.windowed
+        wrapper.decoding_state[layer_idx] = DecodingState(
             press.stride, press.effective_window, press.stride, press.n_sink, press.n_local, None, 0, 0, cache_len,
             ref)
         return
-    press.decoding_state[layer_idx] = DecodingState(
+    wrapper.decoding_state[layer_idx] = DecodingState(
         layout.stride, layout.window, layout.k, layout.n_sink, layout.n_local, layout.first.clone(),
         layout.n_windows, layout.seq_len - layout.compressed_length, cache_len, ref)
 
 
-def _state_for(press, module: nn.Module, cache) -> DecodingState:
+def _state_for(wrapper: WindowedDecodingPress, module: nn.Module, cache) -> DecodingState:
     layer_idx = getattr(module, "layer_idx", 0)
-    state = press.decoding_state.get(layer_idx)
-    name = type(press).__name__
+    state = wrapper.decoding_state.get(layer_idx)
+    name = f"WindowedDecodingPress({type(wrapper.press).__name__})"
     if state is None or (state.cache_ref is not None and state.cache_ref() is not cache):
         raise ValueError(
-            f"{name}(decoding=True) continues the window grid of the prefill it compressed, but layer {layer_idx}'s "
+            f"{name} continues the window grid of the prefill it compressed, but layer {layer_idx}'s "
             "cache was not prefilled by this press. Use the same press for the prefill (pass it as the press, not "
             "only as a PrefillDecodingPress's decoding_press)."
         )
@@ -209,7 +254,7 @@ def compress_blocks(
     out = press.compress_windows(module, tail_k, tail_v, scores, layout)
     new_keys = torch.cat((keys[:, :, :c0], out.keys, keys[:, :, end:]), dim=2)
     new_values = torch.cat((values[:, :, :c0], out.values, values[:, :, end:]), dim=2)
-    tail_ends = out.ends if out.ends is not None else press._entry_ends(layout, out.positions)
+    tail_ends = out.ends if out.ends is not None else press.entry_ends(layout, out.positions)
     _update_stats(press, module, state, layout, out.positions, tail_ends, lo, c0, keys.shape[2], new_keys.shape[2])
     state.blocks += n_blocks
     state.removed += n_blocks * (S - k)
@@ -229,7 +274,7 @@ def _tail_scores(press, module, hidden_states, keys, values, kwargs) -> torch.Te
         scores = press.scorer.score(module, hidden_states, keys, values, None, kwargs or {})
     except (AssertionError, IndexError, RuntimeError, ValueError) as exc:
         raise ValueError(
-            f"scorer={type(press.scorer).__name__} cannot score a block while decoding ({exc}). With decoding=True "
+            f"scorer={type(press.scorer).__name__} cannot score a block while decoding ({exc}). While decoding "
             "the scorer sees only the current step's hidden states: use a scorer that scores keys alone (KeyDiffPress, "
             "the default, or KnormPress), SnapKVScorer, or mode='pool' with weighting='mean', which needs no scores."
         ) from exc
@@ -277,14 +322,15 @@ def _prefix(recorded: torch.Tensor, c0: int, shift: int) -> torch.Tensor:
     return torch.cat((recorded, raw.expand(recorded.shape[0], recorded.shape[1], -1)), dim=2)
 
 
-def entry_positions(press, layer_idx: int, cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def entry_positions(wrapper: WindowedDecodingPress, layer_idx: int,
+                    cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions, ends)`` of every entry of a layer whose cache now holds ``cache_len`` entries.
 
     ``press.stats[layer_idx]`` describes the cache as the last compression left it; the entries appended since are
     raw tokens at consecutive positions, which this adds.
     """
-    stats = press.stats[layer_idx]
-    state = press.decoding_state.get(layer_idx)
+    stats = wrapper.stats[layer_idx]
+    state = wrapper.decoding_state.get(layer_idx)
     removed = state.removed if state is not None else stats.seq_len - stats.compressed_length
     positions, ends = stats.positions, stats.ends
     if positions is None:
@@ -292,27 +338,26 @@ def entry_positions(press, layer_idx: int, cache_len: int) -> tuple[torch.Tensor
     return _prefix(positions, cache_len, removed), _prefix(ends, cache_len, removed + 1)
 
 
-def decode_step(press, module: nn.Module, kwargs: dict, output):
+def decode_step(wrapper: WindowedDecodingPress, module: nn.Module, kwargs: dict, output):
     """Forward hook body for a forward pass that is not the prefill: compress the blocks that became due."""
     cache = kwargs["past_key_values"]
     hidden_states = kwargs["hidden_states"]
     layer_idx = module.layer_idx
-    state = _state_for(press, module, cache)
+    state = _state_for(wrapper, module, cache)
     cache_len = cache.layers[layer_idx].get_seq_length()
     q_len = hidden_states.shape[1]
     if cache_len != state.cache_len + q_len:
-        name = type(press).__name__
         raise ValueError(
-            f"{name}(decoding=True): layer {layer_idx}'s cache holds {cache_len} entries, but this press left "
-            f"{state.cache_len} and this step added {q_len}: something else changed the cache (a press after this "
-            "one, or a cache cropped between questions). With decoding=True the press must be the last to change "
-            "the cache, and answers one question per prefill."
+            f"WindowedDecodingPress({type(wrapper.press).__name__}): layer {layer_idx}'s cache holds {cache_len} "
+            f"entries, but this press left {state.cache_len} and this step added {q_len}: something else changed the "
+            "cache (a press after this one, or a cache cropped between questions). While decoding the press must be "
+            "the last to change the cache, and answers one question per prefill."
         )
     due = blocks_due(state, cache_len)
     if due <= 0:
         state.cache_len = cache_len
         return output
     keys, values = read_layer(cache, layer_idx)
-    keys, values = compress_blocks(press, module, state, keys, values, due, hidden_states, kwargs)
+    keys, values = compress_blocks(wrapper.windowed, module, state, keys, values, due, hidden_states, kwargs)
     write_layer(cache, layer_idx, keys, values)
     return output

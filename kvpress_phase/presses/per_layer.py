@@ -1,4 +1,4 @@
-"""PerLayerWindowedPress: a compression ratio per layer for ChunkedStridePress and PhaseAwarePress."""
+"""PerLayerWindowedPress: a compression ratio per layer for the windowed presses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from kvpress import BasePress
 from torch import nn
 
 from kvpress_phase.phase import check_ratio
-from kvpress_phase.presses import decoding as _decoding
 from kvpress_phase.presses.base import WindowedPress
 
 
@@ -21,15 +20,14 @@ class PerLayerWindowedPress(BasePress):
 
     The counterpart of kvpress's ``PerLayerCompressionPress`` (which accepts only a ``ScorerPress``): while a layer
     is compressed, ``press.compression_ratio`` is that layer's ratio, so the layer keeps exactly
-    ``compressed_length(n, stride, compression_ratios[layer], n_sink, n_local)`` entries (with ``decoding=True`` on
-    the press, at every step of the generation too). Unlike kvpress's wrapper it does not need flash attention:
+    ``compressed_length(n, stride, compression_ratios[layer], n_sink, n_local)`` entries (inside a
+    :class:`~kvpress_phase.WindowedDecodingPress`, at every step of the generation too). Unlike kvpress's wrapper it does not need flash attention:
     kvpress masks or pads nothing here, every layer's cache simply has its own length.
 
     Parameters
     ----------
-    press : ChunkedStridePress or PhaseAwarePress
-        The press to apply; its own ``compression_ratio`` is the ratio of the layers a mapping leaves out. Set its
-        ``decoding`` before wrapping it.
+    press : ChunkedStridePress, PhaseAwarePress or StaggeredWindowPress
+        The press to apply; its own ``compression_ratio`` is the ratio of the layers a mapping leaves out.
     compression_ratios : list of float, or mapping from layer index to float
         A list gives every layer's ratio (its length must be the model's number of layers); a mapping gives the
         ratio of the layers it names. Each ratio is in [0, 1); 0 leaves the layer uncompressed.
@@ -41,7 +39,7 @@ class PerLayerWindowedPress(BasePress):
     def __post_init__(self):
         if not isinstance(self.press, WindowedPress):
             raise ValueError(
-                f"press must be a ChunkedStridePress or PhaseAwarePress, got {type(self.press).__name__}; for a "
+                f"press must be a ChunkedStridePress, PhaseAwarePress or StaggeredWindowPress, got {type(self.press).__name__}; for a "
                 "kvpress ScorerPress use kvpress's PerLayerCompressionPress"
             )
         ratios = self.compression_ratios
@@ -59,7 +57,6 @@ class PerLayerWindowedPress(BasePress):
                 f"got {ratios!r}"
             )
         self.n_layers = len(ratios) if not isinstance(ratios, Mapping) else None
-        _decoding.sync_decoding_class(self, self.press.decoding)
 
     # ------------------------------------------------------------------ ratios
     def ratio_for(self, layer_idx: int) -> float:
@@ -86,10 +83,6 @@ class PerLayerWindowedPress(BasePress):
     @property
     def stats(self) -> dict:
         return self.press.stats
-
-    @property
-    def decoding(self) -> bool:
-        return self.press.decoding
 
     # ------------------------------------------------------------------ kvpress hooks
     def post_init_from_model(self, model):
@@ -121,6 +114,3 @@ class PerLayerWindowedPress(BasePress):
         layer_idx = getattr(module, "layer_idx", 0)
         return self._with_ratio(
             layer_idx, lambda: self.press.compress(module, hidden_states, keys, values, attentions, kwargs))
-
-    def forward_hook(self, module: nn.Module, input, kwargs: dict, output):
-        return self._with_ratio(module.layer_idx, lambda: self.press.forward_hook(module, input, kwargs, output))

@@ -8,9 +8,9 @@ import torch
 from kvpress import KnormPress, KVzipPress, PyramidKVPress
 from transformers import DynamicCache, pipeline
 
-from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+from kvpress_phase import ChunkedStridePress, PhaseAwarePress, WindowedDecodingPress
 from kvpress_phase.evaluation.decoding import kvzip_masks, kvzip_scores
-from kvpress_phase.evaluation.presses import PRESS_DESCRIPTIONS, build_press, parse_press_spec, reads_question
+from kvpress_phase.evaluation.presses import REGISTRY, build_press, parse_press_spec, reads_question
 from kvpress_phase.evaluation.runner import EvalConfig, ReplayEngine, duplicate_k, read_results, run_evaluation
 from kvpress_phase.evaluation.tasks import generate
 from tiny_models import tiny_model
@@ -112,7 +112,7 @@ def test_kvzip_replay_masks_what_kvpress_masks(model, word_tokenizer, row, monke
 
 
 def test_every_registered_press_runs_at_a_matched_cache(model, word_tokenizer, tmp_path):
-    presses = list(PRESS_DESCRIPTIONS) + ["chunk:scorer=keydiff"]
+    presses = list(REGISTRY) + ["chunk:scorer=keydiff"]
     config = EvalConfig(tasks=["niah_single"], presses=presses, compression_ratios=[0.5], strides=[8],
                         context_lengths=[160], samples=1, seed=4, phases=[0, 5], protocol="offset",
                         matched_cache=True)
@@ -213,7 +213,7 @@ def test_kvzip_scorer_press_through_the_pipeline_and_the_replay(model, word_toke
     assert replayed["prediction"] == direct
     assert torch.equal(used.scorer.scores, state.memo["kvzip_scores"])
     with pytest.raises(ValueError, match="whole context"):
-        PhaseAwarePress(0.5, scorer=KVzipScorer(), decoding=True)
+        WindowedDecodingPress(PhaseAwarePress(0.5, scorer=KVzipScorer()))
 
 
 @pytest.mark.parametrize("draft", ["none", "own", "wrong_first", "wrong_late", "too_long"])

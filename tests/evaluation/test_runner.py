@@ -222,15 +222,15 @@ def test_probe_rotation_handles_partial_rotary():
 
 
 def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
-    from kvpress_phase.evaluation.runner import press_reads
+    from kvpress_phase.evaluation.presses import prefill_reads
 
     engine = ReplayEngine(model, word_tokenizer, step_by_step=True)
     lean_presses = ["no_press", "chunked_stride", "chunked_stride:mode=pool", "phase_aware", "keydiff",
                     "phase_aware:scorer=knorm", "phase_aware:budget=window:scorer=knorm",
                     "knorm", "streaming_llm", "chunk"]
-    built = [build_press(parse_press_spec(t), 0.5, 8, None, 1) for t in lean_presses]
+    reads = frozenset().union(*[prefill_reads(parse_press_spec(t)) for t in lean_presses])
     row, encoded, full = _row_state(engine, word_tokenizer)
-    lean = engine.prefill(encoded["context_ids"], presses=built)
+    lean = engine.prefill(encoded["context_ids"], reads=reads)
     assert "hidden_states" not in lean.reads
     assert all(hidden.device.type == "meta" for _, hidden, *_ in lean.inputs.values())
     hidden_bytes = sum(h.numel() * h.element_size() for _, h, *_ in full.inputs.values())
@@ -243,7 +243,7 @@ def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
         assert a == b, text
     # presses that read the hidden states get them, and a prefill without them refuses such a press
     for text in ("snapkv", "chunkkv", "phase_aware:scorer=snapkv", "chunked_stride:mode=select:scorer=snapkv"):
-        assert "hidden_states" in press_reads(build_press(parse_press_spec(text), 0.5, 8, None, 0))
+        assert "hidden_states" in prefill_reads(parse_press_spec(text))
         with pytest.raises(ValueError, match="hidden_states"):
             engine.compressed_cache(lean, build_press(parse_press_spec(text), 0.5, 8, None, 0))
 

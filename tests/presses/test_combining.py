@@ -9,15 +9,16 @@ from transformers import DynamicCache, QuantizedCache, pipeline
 
 from tiny_models import tiny_model
 from kvpress_phase.presses.scorers import SnapKVScorer
-from kvpress_phase import ChunkedStridePress, PerLayerWindowedPress, PhaseAwarePress
+from kvpress_phase import (ChunkedStridePress, PerLayerWindowedPress, PhaseAwarePress, StaggeredWindowPress,
+                           WindowedDecodingPress)
 from kvpress_phase.phase import compressed_length
 
 PRESSES = {
     "chunked_select": lambda r, **kw: ChunkedStridePress(r, mode="select", **kw),
     "chunked_pool": lambda r, **kw: ChunkedStridePress(r, mode="pool", **kw),
-    "phase_aware_select": lambda r, **kw: PhaseAwarePress(r, mode="select", budget="window", **kw),
-    "phase_aware_pool": lambda r, **kw: PhaseAwarePress(r, mode="pool", residual="pool", scorer=SnapKVScorer(), **kw),
-    "phase_aware": lambda r, **kw: PhaseAwarePress(r, **kw),  # the default: row budget, KeyDiff scores, drop
+    "staggered_select": lambda r, **kw: StaggeredWindowPress(r, mode="select", **kw),
+    "phase_aware_pool": lambda r, **kw: PhaseAwarePress(r, residual="pool", scorer=SnapKVScorer(), **kw),
+    "phase_aware": lambda r, **kw: PhaseAwarePress(r, **kw),  # the default: KeyDiff scores, drop
 }
 PRUNING = {"knorm": lambda: KnormPress(0.5), "streaming_llm": lambda: StreamingLLMPress(0.5, n_sink=4)}
 CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))
@@ -64,7 +65,7 @@ def test_shortened_keys_are_refused_by_compress_itself():
     assert out.shape[2] == compressed_length(60, 8, 0.5)
 
 
-@pytest.mark.parametrize("name", ["chunked_pool", "phase_aware_select"])
+@pytest.mark.parametrize("name", ["chunked_pool", "staggered_select"])
 def test_ours_for_the_prefill_and_kvpress_decoding_press(name, tokenizer):
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
@@ -105,7 +106,7 @@ def test_quantized_cache_holds_the_compressed_cache(name):
     model = tiny_model("llama")
     ids = torch.randint(4, 60, (2, 140), generator=torch.Generator().manual_seed(0))
     # a grid that does not follow the content, so that quantization noise cannot move it
-    make = (lambda: PRESSES[name](0.5, align=False)) if name.startswith("phase_aware") else lambda: PRESSES[name](0.5)
+    make = (lambda: PRESSES[name](0.5, align=False)) if name.startswith("staggered") else lambda: PRESSES[name](0.5)
     caches = {"dynamic": DynamicCache(), "quantized": _quantized_cache(model)}
     for cache in caches.values():
         with torch.no_grad(), make()(model):
@@ -119,12 +120,12 @@ def test_quantized_cache_holds_the_compressed_cache(name):
             assert (q - dyn.keys).norm() < 0.15 * dyn.keys.norm()  # 4-bit quantization error only (about 0.08)
 
 
-@pytest.mark.parametrize("name", ["chunked_pool", "phase_aware_select"])
+@pytest.mark.parametrize("name", ["chunked_pool", "staggered_select"])
 def test_quantized_cache_while_decoding(name, tokenizer, monkeypatch):
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
     cache = _quantized_cache(model)
-    press = PRESSES[name](0.5, decoding=True)
+    press = WindowedDecodingPress(PRESSES[name](0.5))
     lengths = []
     from kvpress_phase.presses import decoding
 
@@ -169,18 +170,18 @@ def test_per_layer_ratios_through_the_pipeline(name, kind, tokenizer):
 def test_per_layer_ratios_while_decoding(name, tokenizer):
     model = tiny_model("llama", num_hidden_layers=3)
     model.generation_config.eos_token_id = None
-    press = PerLayerWindowedPress(PRESSES[name](0.5, decoding=True), [0.25, 0.0, 0.75])
+    press = WindowedDecodingPress(PerLayerWindowedPress(PRESSES[name](0.5), [0.25, 0.0, 0.75]))
     assert isinstance(press, PrefillDecodingPress)
     _pipe(model, tokenizer)(CONTEXT, question="w1", press=press, max_new_tokens=100)
     for layer_idx, ratio in enumerate([0.25, 0.0, 0.75]):
-        state = press.press.decoding_state[layer_idx]
+        state = press.decoding_state[layer_idx]
         assert state.cache_len == compressed_length(state.seen, 8, ratio)
     n_question = len(tokenizer.encode("w1\n", add_special_tokens=False))
-    assert press.press.decoding_state[2].seen == _context_len(tokenizer) + n_question + 99
+    assert press.decoding_state[2].seen == _context_len(tokenizer) + n_question + 99
 
 
 def test_per_layer_validation():
-    with pytest.raises(ValueError, match="press must be a ChunkedStridePress or PhaseAwarePress"):
+    with pytest.raises(ValueError, match="press must be a ChunkedStridePress, PhaseAwarePress or StaggeredWindowPress"):
         PerLayerWindowedPress(KnormPress(0.5), [0.5])
     with pytest.raises(ValueError, match=r"compression_ratios\[1\]"):
         PerLayerWindowedPress(ChunkedStridePress(), [0.5, 1.0])

@@ -1,4 +1,5 @@
-"""decoding=True: generated tokens are compressed on the prefill's grid, and the cache follows compressed_length."""
+"""WindowedDecodingPress: generated tokens are compressed on the prefill's grid, and the cache follows
+compressed_length."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvpress import ComposedPress, KnormPress, PrefillDecodingPress, SnapKVPress
 from transformers import DynamicCache, pipeline
 
 from tiny_models import tiny_model
-from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress, WindowedDecodingPress
 from kvpress_phase.presses.scorers import SnapKVScorer
 from kvpress_phase.phase import compressed_length, group_bounds
 from kvpress_phase.presses import decoding
@@ -32,34 +33,34 @@ class FakeAttention(torch.nn.Module):
 
 
 def _window(ratio, **kw):
-    """PhaseAwarePress with per-window budgets (its earlier default), scored by key norm."""
-    return PhaseAwarePress(ratio, budget="window", scorer=KnormPress(), decoding=True, **kw)
+    """Per-window budgets on staggered grids (PhaseAwarePress's earlier default), scored by key norm."""
+    return WindowedDecodingPress(StaggeredWindowPress(ratio, scorer=KnormPress(), **kw))
 
 
 # presses whose grid does not depend on the content, so decoding must reproduce a prefill of the whole sequence
 FIXED_GRID = {
-    "chunked_pool": lambda: ChunkedStridePress(0.5, mode="pool", decoding=True),
-    "chunked_select": lambda: ChunkedStridePress(0.5, mode="select", scorer=KnormPress(), decoding=True),
-    "chunked_pool_offset_score": lambda: ChunkedStridePress(0.75, offset=5, mode="pool", weighting="score",
-                                                            rope="centroid", scorer=KnormPress(), decoding=True),
-    "phase_aware_pool": lambda: _window(0.5, align=False),
-    "phase_aware_select": lambda: _window(0.5, mode="select", align=False),
-    "phase_aware_overlap": lambda: _window(0.75, overlap=True, align=False, offset=3),
-    "phase_aware_head_layer": lambda: _window(0.625, stagger="head_layer", align=False),
+    "chunked_pool": lambda: WindowedDecodingPress(ChunkedStridePress(0.5, mode="pool")),
+    "chunked_select": lambda: WindowedDecodingPress(ChunkedStridePress(0.5, mode="select", scorer=KnormPress())),
+    "chunked_pool_offset_score": lambda: WindowedDecodingPress(ChunkedStridePress(
+        0.75, offset=5, mode="pool", weighting="score", rope="centroid", scorer=KnormPress())),
+    "staggered_pool": lambda: _window(0.5, align=False),
+    "staggered_select": lambda: _window(0.5, mode="select", align=False),
+    "staggered_overlap": lambda: _window(0.75, overlap=True, align=False, offset=3),
+    "staggered_head_layer": lambda: _window(0.625, stagger="head_layer", align=False),
 }
 TRITON = {  # the Triton kernels on the decoding layouts (on the CPU through TRITON_INTERPRET=1, see conftest.py)
-    "chunked_pool_triton": lambda: ChunkedStridePress(0.5, mode="pool", decoding=True, backend="triton"),
-    "phase_aware_select_triton": lambda: _window(0.5, mode="select", align=False, backend="triton"),
+    "chunked_pool_triton": lambda: WindowedDecodingPress(ChunkedStridePress(0.5, mode="pool", backend="triton")),
+    "staggered_select_triton": lambda: _window(0.5, mode="select", align=False, backend="triton"),
 }
 PIPELINE_PRESSES = {
-    "chunked_pool": lambda: ChunkedStridePress(0.5, mode="pool", decoding=True),
-    "chunked_select": lambda: ChunkedStridePress(0.75, mode="select", decoding=True),
-    "chunked_default": lambda: ChunkedStridePress(0.5, decoding=True),
-    "phase_aware_pool": lambda: PhaseAwarePress(0.5, residual="pool", scorer=SnapKVScorer(), decoding=True),
-    "phase_aware_default": lambda: PhaseAwarePress(0.5, decoding=True),
-    "phase_aware_select": lambda: PhaseAwarePress(0.5, mode="select", budget="window", decoding=True),
-    "phase_aware_row": lambda: PhaseAwarePress(0.5, budget="row", decoding=True),
-    "phase_aware_window_topk": lambda: PhaseAwarePress(0.75, budget="window_topk", decoding=True),
+    "chunked_pool": lambda: WindowedDecodingPress(ChunkedStridePress(0.5, mode="pool")),
+    "chunked_select": lambda: WindowedDecodingPress(ChunkedStridePress(0.75, mode="select")),
+    "chunked_default": lambda: WindowedDecodingPress(ChunkedStridePress(0.5)),
+    "phase_aware_pool": lambda: WindowedDecodingPress(PhaseAwarePress(0.5, residual="pool", scorer=SnapKVScorer())),
+    "phase_aware_default": lambda: WindowedDecodingPress(PhaseAwarePress(0.5)),
+    "staggered_select": lambda: WindowedDecodingPress(StaggeredWindowPress(0.5, mode="select")),
+    "phase_aware_recent": lambda: WindowedDecodingPress(PhaseAwarePress(0.5, recent=0.25)),
+    "staggered_window_topk": lambda: WindowedDecodingPress(StaggeredWindowPress(0.75, budget="window_topk")),
 }
 
 
@@ -75,7 +76,7 @@ def _decode_by_hand(press, keys, values, n0, step_sizes, module):
         v = torch.cat((v, values[:, :, t : t + q]), dim=2)
         due = decoding.blocks_due(state, k.shape[2])
         if due > 0:
-            k, v = decoding.compress_blocks(press, module, state, k, v, due)
+            k, v = decoding.compress_blocks(press.windowed, module, state, k, v, due)
         else:
             state.cache_len = k.shape[2]
         t, i = t + q, i + 1
@@ -124,7 +125,7 @@ def test_aligned_per_head_grids_continue_each_row_own_grid():
     state = press.decoding_state[0]
     assert len(set(state.first.flatten().tolist())) > 1
     positions, ends = decoding.entry_positions(press, 0, k.shape[2])
-    lo, _ = group_bounds(press.stride, press.stride, press.k)
+    lo, _ = group_bounds(press.stride, press.stride, press.windowed.k)
     pooled = ends - positions > 1  # merged entries
     rel = (positions.long() - state.first[..., None]) % press.stride
     assert pooled.any() and bool(torch.isin(rel[pooled], torch.tensor(lo)).all())
@@ -200,50 +201,50 @@ def test_without_decoding_generated_tokens_stay_raw(tokenizer, monkeypatch):
     assert seen[-1] == seen[1] + len(seen) - 2  # grows by one per generated token
 
 
-def test_decoding_option_makes_a_pipeline_decoding_press():
-    press = ChunkedStridePress(0.5, decoding=True)
-    assert isinstance(press, (ChunkedStridePress, PrefillDecodingPress))
-    assert repr(press).startswith("DecodingChunkedStridePress(") and "decoding=True" in repr(press)
+def test_the_decoding_wrapper_is_a_pipeline_decoding_press():
+    press = WindowedDecodingPress(ChunkedStridePress(0.5))
+    assert isinstance(press, PrefillDecodingPress) and not isinstance(ChunkedStridePress(0.5), PrefillDecodingPress)
+    assert repr(press).startswith("WindowedDecodingPress(press=ChunkedStridePress(")
     assert pickle.loads(pickle.dumps(press)) == press and copy.deepcopy(press) == press
-    assert not isinstance(dataclasses.replace(press, decoding=False), PrefillDecodingPress)
-    press.decoding = False
-    assert type(press) is ChunkedStridePress
-    press.decoding = True
-    assert isinstance(press, PrefillDecodingPress)
-    assert isinstance(PhaseAwarePress(0.5, decoding=True), (PhaseAwarePress, PrefillDecodingPress))
-    with pytest.raises(ValueError, match="decoding"):
-        PhaseAwarePress(0.5, decoding="yes")
+    assert (press.stride, press.compression_ratio, press.n_sink, press.n_local) == (8, 0.5, 4, 16)
+    assert type(press.press) is ChunkedStridePress  # no class is changed or generated
+    with pytest.raises(ValueError, match="press must be a ChunkedStridePress"):
+        WindowedDecodingPress(KnormPress(0.5))
+    with pytest.raises(ValueError, match="whole context"):
+        WindowedDecodingPress(PhaseAwarePress(0.5, scorer="kvzip"))
+    with pytest.raises(TypeError, match="decoding"):
+        ChunkedStridePress(0.5, decoding=True)
 
 
 def test_pipeline_refuses_several_questions_with_decoding(tokenizer):
     pipe = _pipe(tiny_model("llama"), tokenizer)
     with pytest.raises(ValueError, match="multiple questions"):
-        pipe(CONTEXT, questions=["w1", "w2"], press=ChunkedStridePress(0.5, decoding=True), max_new_tokens=2)
+        pipe(CONTEXT, questions=["w1", "w2"], press=WindowedDecodingPress(ChunkedStridePress(0.5)), max_new_tokens=2)
 
 
 def test_decoding_without_this_press_prefill_is_refused(tokenizer):
     press = PrefillDecodingPress(prefilling_press=KnormPress(0.5),
-                                 decoding_press=ChunkedStridePress(0.5, decoding=True))
+                                 decoding_press=WindowedDecodingPress(ChunkedStridePress(0.5)))
     with pytest.raises(ValueError, match="not prefilled by this press"):
         _pipe(tiny_model("llama"), tokenizer)(CONTEXT, question="w1", press=press, max_new_tokens=20)
 
 
 def test_decoding_refuses_a_press_that_changed_the_cache_after_it():
     model = tiny_model("llama")
-    press = ComposedPress([ChunkedStridePress(0.5, decoding=True), KnormPress(0.5)])
+    press = ComposedPress([WindowedDecodingPress(ChunkedStridePress(0.5)), KnormPress(0.5)])
     ids = torch.randint(4, 60, (1, 120), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), press(model), pytest.raises(ValueError, match="last to change the cache"):
         model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
 
 
 def test_scorer_that_cannot_score_while_decoding_names_itself(tokenizer):
-    press = ChunkedStridePress(0.5, mode="select", scorer=SnapKVPress(window_size=4), decoding=True)
+    press = WindowedDecodingPress(ChunkedStridePress(0.5, mode="select", scorer=SnapKVPress(window_size=4)))
     with pytest.raises(ValueError, match="scorer=SnapKVPress"):
         _pipe(tiny_model("llama"), tokenizer)(CONTEXT, question="w1", press=press, max_new_tokens=40)
 
 
 def test_kvpress_prefill_decoding_press_with_ours_on_both_sides(tokenizer):
-    ours = PhaseAwarePress(0.5, decoding=True)
+    ours = WindowedDecodingPress(PhaseAwarePress(0.5))
     press = PrefillDecodingPress(prefilling_press=ours, decoding_press=ours)
     _pipe(tiny_model("llama"), tokenizer)(CONTEXT, question="w1", press=press, max_new_tokens=80)
     state = ours.decoding_state[0]

@@ -8,16 +8,16 @@ from kvpress import ComposedPress, KnormPress, PerLayerCompressionPress, SnapKVP
 from transformers import DynamicCache, pipeline
 
 from tiny_models import FAMILIES, tiny_model
-from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress
 from kvpress_phase.phase import compressed_length
 from kvpress_phase.presses.scorers import SnapKVScorer
 
 PRESSES = {
     "chunked_select": lambda r: ChunkedStridePress(r, mode="select"),
     "chunked_pool": lambda r: ChunkedStridePress(r, mode="pool"),
-    "phase_aware_select": lambda r: PhaseAwarePress(r, mode="select", budget="window", scorer=KnormPress()),
-    "phase_aware_window": lambda r: PhaseAwarePress(r, budget="window", scorer=KnormPress()),
-    "phase_aware": lambda r: PhaseAwarePress(r),  # the default: budget="row", KeyDiff scores, residual="drop"
+    "staggered_select": lambda r: StaggeredWindowPress(r, mode="select", scorer=KnormPress()),
+    "staggered_pool": lambda r: StaggeredWindowPress(r, scorer=KnormPress()),
+    "phase_aware": lambda r: PhaseAwarePress(r),  # the default: KeyDiff scores, residual="drop"
     "phase_aware_row_pool_snapkv": lambda r: PhaseAwarePress(r, residual="pool", scorer=SnapKVScorer()),
     "phase_aware_row_short_window": lambda r: PhaseAwarePress(r, residual="pool",
                                                               scorer=SnapKVScorer(window_size=16)),
@@ -106,22 +106,25 @@ class _NoRopeAttention(torch.nn.Module):
     head_dim = 8
 
 
-def _fake_layer_kwargs(cls, mode="pool"):
-    """The fake layer has no projections for SnapKV: PhaseAwarePress scores it by key norm here, and pools its
-    leftovers (``residual="pool"``) so that the RoPE handling is exercised."""
-    if cls is not PhaseAwarePress:
-        return {}
-    return {"scorer": KnormPress(), "residual": "pool", **({"budget": "window"} if mode == "select" else {})}
+POOLING = {  # presses that pool entries (so RoPE handling is exercised), scored by key norm: the fake layer has no
+    # projections for SnapKV
+    "ChunkedStridePress": lambda **kw: ChunkedStridePress(0.5, mode="pool", **kw),
+    "StaggeredWindowPress": lambda **kw: StaggeredWindowPress(0.5, scorer=KnormPress(), **kw),
+    "PhaseAwarePress": lambda **kw: PhaseAwarePress(0.5, scorer=KnormPress(), residual="pool", **kw),
+}
+SELECTING = {
+    "ChunkedStridePress": lambda **kw: ChunkedStridePress(0.5, mode="select", **kw),
+    "StaggeredWindowPress": lambda **kw: StaggeredWindowPress(0.5, mode="select", scorer=KnormPress(), **kw),
+    "PhaseAwarePress": lambda **kw: PhaseAwarePress(0.5, scorer=KnormPress(), **kw),
+}
 
 
-@pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
-def test_rope_modes_need_a_rotary_embedding(cls):
+@pytest.mark.parametrize("name", sorted(POOLING))
+def test_rope_modes_need_a_rotary_embedding(name):
     keys = torch.randn(1, 2, 80, 8)
-    extra = _fake_layer_kwargs(cls)
     with pytest.raises(ValueError, match="_NoRopeAttention"):
-        cls(0.5, mode="pool", rope="centroid", **extra).compress(_NoRopeAttention(), None, keys, keys, None, {})
-    out, _ = cls(0.5, mode="pool", rope="none", weighting="mean", **extra).compress(
-        _NoRopeAttention(), None, keys, keys, None, {})
+        POOLING[name](rope="centroid").compress(_NoRopeAttention(), None, keys, keys, None, {})
+    out, _ = POOLING[name](rope="none", weighting="mean").compress(_NoRopeAttention(), None, keys, keys, None, {})
     assert out.shape[2] < 80
 
 
@@ -151,10 +154,10 @@ def test_model_without_kvpress_layout_is_refused_when_attached(press):
             pytest.fail("the press was attached")
 
 
-@pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
+@pytest.mark.parametrize("name", sorted(POOLING))
 @pytest.mark.parametrize("mode", ["select", "pool"])
-def test_short_sequences_pass_through(cls, mode):
-    press = cls(0.5, mode=mode, rope="none", **_fake_layer_kwargs(cls, mode))
+def test_short_sequences_pass_through(name, mode):
+    press = (POOLING if mode == "pool" else SELECTING)[name](rope="none")
     keys = torch.randn(2, 2, 4 + 16 + 8, 8)
     out_k, out_v = press.compress(_NoRopeAttention(), None, keys, keys.clone(), None, {})
     assert out_k is keys
@@ -169,7 +172,7 @@ def test_float16_large_magnitudes_stay_finite(mode, rope):
     keys = (torch.randn(1, 2, 200, 16) * 6e4).clamp(-65000, 65000).half()
     values = (torch.randn(1, 2, 200, 16) * 6e4).clamp(-65000, 65000).half()
     for press in (ChunkedStridePress(0.5, mode=mode, rope=rope),
-                  PhaseAwarePress(0.75, mode=mode, rope=rope, weighting="score", budget="window", scorer=KnormPress()),
+                  StaggeredWindowPress(0.75, mode=mode, rope=rope, weighting="score", scorer=KnormPress()),
                   PhaseAwarePress(0.75, rope=rope, weighting="score", scorer=KnormPress())):
         k, v = press.compress(attn, None, keys, values, None, {})
         assert torch.isfinite(k).all() and torch.isfinite(v).all()

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvpress import KnormPress
 
-from kvpress_phase import ChunkedStridePress, PhaseAwarePress
+from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress
 from kvpress_phase.phase import compressed_length, group_bounds, kept_per_window, merge_period, phase_of
 from kvpress_phase.rope import rotate
 
@@ -47,9 +47,8 @@ layouts = st.fixed_dictionaries(
 
 def _press(cls, p, mode, **kw):
     window = p["stride"] + p["extra_window"] if mode == "pool" else p["stride"]
-    if cls is PhaseAwarePress:  # the window budgets (their grids are what these properties are about)
+    if cls is StaggeredWindowPress:  # the window budgets (their grids are what these properties are about)
         kw.setdefault("overlap", window > p["stride"])
-        kw.setdefault("budget", "window")
         kw.setdefault("scorer", KnormPress())
     return cls(
         p["compression_ratio"], window=window, stride=p["stride"], offset=p["offset"], n_sink=p["n_sink"],
@@ -73,23 +72,25 @@ def test_compressed_length_formula(p, mode):
     expected = p["seq_len"] - n_windows * (S - k)
     assert expected == compressed_length(p["seq_len"], S, r, p["n_sink"], p["n_local"])
     lengths = set()
-    for cls in (ChunkedStridePress, PhaseAwarePress):
-        press = _press(cls, p, mode, rope="start")
+    row = PhaseAwarePress(p["compression_ratio"], stride=p["stride"], offset=p["offset"], n_sink=p["n_sink"],
+                          n_local=p["n_local"], scorer=KnormPress())
+    for press in (_press(ChunkedStridePress, p, mode, rope="start"), _press(StaggeredWindowPress, p, mode, rope="start"),
+                  row):
         out_k, out_v = press.compress(FakeAttention(), None, keys, values, None, {})
         assert out_k.shape == out_v.shape == (p["batch"], p["heads"], expected, HEAD_DIM)
         lengths.add(out_k.shape[2])
         stats = press.stats[0]
         assert stats.compressed_length == expected
         assert stats.achieved_ratio == pytest.approx(1 - expected / p["seq_len"])
-    assert len(lengths) == 1  # PhaseAwarePress keeps exactly as many entries as ChunkedStridePress
+    assert len(lengths) == 1  # the others keep exactly as many entries as ChunkedStridePress
 
 
 @given(p=layouts, mode=st.sampled_from(["select", "pool"]), align=st.booleans(),
        stagger=st.sampled_from(["none", "head", "layer", "head_layer"]))
-def test_phase_aware_keeps_as_many_entries_as_chunked(p, mode, align, stagger):
+def test_staggered_grids_keep_as_many_entries_as_chunked(p, mode, align, stagger):
     keys, values = _kv(p)
     chunked = _press(ChunkedStridePress, p, mode, rope="none")
-    aware = _press(PhaseAwarePress, p, mode, rope="none", align=align, stagger=stagger)
+    aware = _press(StaggeredWindowPress, p, mode, rope="none", align=align, stagger=stagger)
     layer = FakeAttention(layer_idx=3)
     assert (chunked.compress(layer, None, keys, values, None, {})[0].shape
             == aware.compress(layer, None, keys, values, None, {})[0].shape)
@@ -99,8 +100,9 @@ def test_phase_aware_keeps_as_many_entries_as_chunked(p, mode, align, stagger):
 def test_zero_ratio_returns_the_cache_unchanged(p, mode):
     keys, values = _kv(p)
     p = dict(p, compression_ratio=0.0)
-    for cls in (ChunkedStridePress, PhaseAwarePress):
-        out_k, out_v = _press(cls, p, mode).compress(FakeAttention(), None, keys, values, None, {})
+    for press in (_press(ChunkedStridePress, p, mode), _press(StaggeredWindowPress, p, mode),
+                  PhaseAwarePress(0.0, stride=p["stride"], offset=p["offset"])):
+        out_k, out_v = press.compress(FakeAttention(), None, keys, values, None, {})
         assert out_k is keys and out_v is values
 
 
@@ -120,7 +122,7 @@ def test_pooling_identical_tokens_returns_that_token(p, weighting, rope):
     torch.testing.assert_close(out_v, base_v.expand_as(out_v), rtol=1e-5, atol=1e-5)
     if rope == "none":
         torch.testing.assert_close(out_k, base_k.expand_as(out_k), rtol=1e-5, atol=1e-5)
-    elif rope in ("start",) or press.stats[0].layout is None:
+    elif rope in ("start",) or press.stats[0].positions is None:
         # raw entries and start-rotated entries sit exactly at their recorded positions
         pos = press.stats[0].positions.long() if press.stats[0].positions is not None else positions.expand(
             p["batch"], p["heads"], n)
@@ -146,7 +148,7 @@ def test_unrotate_then_rotate_is_identity(positions, half):
 def test_phase_of_every_kept_entry(p, stagger):
     """Selected entries are real tokens: their recorded positions find them, and their phases are right."""
     keys, values = _kv(p, seed=3)
-    for press in (_press(ChunkedStridePress, p, "select"), _press(PhaseAwarePress, p, "select", stagger=stagger)):
+    for press in (_press(ChunkedStridePress, p, "select"), _press(StaggeredWindowPress, p, "select", stagger=stagger)):
         out_k, out_v = press.compress(FakeAttention(), None, keys, values, None, {})
         stats = press.stats[0]
         if stats.positions is None:
@@ -161,8 +163,7 @@ def test_phase_of_every_kept_entry(p, stagger):
 
 @given(stride=st.integers(2, 16), heads=st.integers(2, 16), offset=st.integers(0, 30), token=st.integers(0, 500))
 def test_staggered_offsets_give_each_head_a_different_phase(stride, heads, offset, token):
-    press = PhaseAwarePress(0.5, stride=stride, offset=offset, stagger="head", spread="stride", align=False,
-                            budget="window")
+    press = StaggeredWindowPress(0.5, stride=stride, offset=offset, stagger="head", spread="stride", align=False)
     offsets = press.grid_offsets(FakeAttention(), None, 1, heads, 1000)[0]
     phases = phase_of(torch.tensor(token), stride, offsets)
     assert len(set(phases.tolist())) == min(heads, stride)
@@ -172,7 +173,7 @@ def test_staggered_offsets_give_each_head_a_different_phase(stride, heads, offse
        token=st.integers(0, 500))
 def test_period_spread_gives_each_head_a_different_phase_within_the_merge_period(stride, ratio, heads, token):
     """Offsets one merge period apart merge the same phases, so the spread covers one period, evenly."""
-    press = PhaseAwarePress(ratio, stride=stride, stagger="head", align=False, budget="window")
+    press = StaggeredWindowPress(ratio, stride=stride, stagger="head", align=False)
     period = merge_period(stride, kept_per_window(stride, ratio))
     offsets = press.grid_offsets(FakeAttention(), None, 1, heads, 1000)[0]
     phases = phase_of(torch.tensor(token), stride, offsets) % period
@@ -190,7 +191,7 @@ def test_merge_period_is_the_smallest_shift_that_preserves_the_groups(stride, da
 
 
 def test_layer_stagger_differs_across_layers():
-    press = PhaseAwarePress(0.125, stride=8, stagger="layer", align=False, budget="window")  # k = 7: the merge pattern's period is the stride
+    press = StaggeredWindowPress(0.125, stride=8, stagger="layer", align=False)  # k = 7: the merge pattern's period is the stride
     press.n_layers = 8
     first = {int(press.grid_offsets(FakeAttention(layer), None, 1, 2, 100)[0, 0]) for layer in range(8)}
     assert first == set(range(8))
@@ -198,7 +199,7 @@ def test_layer_stagger_differs_across_layers():
 
 def test_alignment_avoids_cutting_a_high_scoring_span():
     """A boundary-aware grid does not split the one important span of the sequence."""
-    press = PhaseAwarePress(0.5, stride=8, stagger="none", align=True, n_sink=0, n_local=0, budget="window",
+    press = StaggeredWindowPress(0.5, stride=8, stagger="none", align=True, n_sink=0, n_local=0,
                             scorer=KnormPress())
     scores = torch.zeros(1, 2, 64)
     scores[..., 21:27] = 1.0  # important span: positions 21..26
@@ -227,7 +228,7 @@ def _row_press(p, **kw):
     kw.setdefault("pool_window", p["stride"] * p["pool_windows"])
     kw.setdefault("scorer", KnormPress())  # the fake layer has no projections for SnapKV
     return PhaseAwarePress(p["compression_ratio"], stride=p["stride"], offset=p["offset"], n_sink=p["n_sink"],
-                           n_local=p["n_local"], budget="row", **kw)
+                           n_local=p["n_local"], **kw)
 
 
 @given(p=row_layouts, residual=st.sampled_from(["pool", "drop"]), share=st.booleans(),
@@ -283,7 +284,7 @@ def test_row_budget_follows_the_scores_not_the_grid():
 
     kept = []
     for offset in range(stride):
-        press = PhaseAwarePress(0.75, stride=stride, offset=offset, budget="row", scorer=Scorer(), rope="none")
+        press = PhaseAwarePress(0.75, stride=stride, offset=offset, scorer=Scorer(), rope="none")
         press.compress(FakeAttention(), None, keys, values, None, {})
         stats = press.stats[0]
         single = (stats.ends == stats.positions + 1)[0, 0]
@@ -295,7 +296,7 @@ def test_row_budget_follows_the_scores_not_the_grid():
 def test_window_topk_keeps_as_many_raw_tokens_in_every_window():
     seq, stride, ratio = 120, 8, 0.5
     keys = torch.randn(1, 1, seq, HEAD_DIM, generator=torch.Generator().manual_seed(2))
-    press = PhaseAwarePress(ratio, stride=stride, budget="window_topk", align=False, stagger="none", rope="none",
+    press = StaggeredWindowPress(ratio, stride=stride, budget="window_topk", align=False, stagger="none", rope="none",
                             scorer=KnormPress(), residual="pool")
     press.compress(FakeAttention(), None, keys, keys.clone(), None, {})
     stats = press.stats[0]
