@@ -30,7 +30,7 @@ from torch import nn
 from kvpress_phase.kernels import BACKENDS, ROPE_MODES, WEIGHTINGS, Compressed, pool_windows, select_windows
 from kvpress_phase.phase import (WindowLayout, check_number, check_ratio, group_bounds, kept_per_window,
                                  ratio_mismatch, window_ratio)
-from kvpress_phase.presses.scorers import SCORERS, scorer_from_name
+from kvpress_phase.presses.scorers import SCORERS, scorer_from_name, token_scores
 from kvpress_phase.presses.stats import LayerStats
 from kvpress_phase.rope import rotary_inv_freq
 
@@ -179,7 +179,7 @@ class WindowedPress(BasePress):
             return keys, values
 
         def score():
-            return self.scorer.score(module, hidden_states, keys, values, attentions, kwargs).float()
+            return token_scores(self.scorer, module, hidden_states, keys, values, attentions, kwargs)
 
         scores = score() if self.needs_scores_for_grid else None                      # 1. score (for the grid)
         layout = self.layout_for(module, keys, scores)                                # 2. lay out

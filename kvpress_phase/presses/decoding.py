@@ -45,7 +45,7 @@ from transformers import QuantizedCache
 from kvpress_phase.phase import WindowLayout, n_windows
 from kvpress_phase.presses.base import WindowedPress
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
-from kvpress_phase.presses.scorers import SnapKVScorer
+from kvpress_phase.presses.scorers import SnapKVScorer, token_scores
 from kvpress_phase.presses.stats import LayerStats
 
 
@@ -271,7 +271,7 @@ def _tail_scores(press, module, hidden_states, keys, values, kwargs) -> torch.Te
     if isinstance(press.scorer, SnapKVScorer) and kwargs and kwargs.get("position_embeddings") is not None:
         return SnapKVScorer.decoding_scores(module, hidden_states, keys, kwargs["position_embeddings"]).float()
     try:
-        scores = press.scorer.score(module, hidden_states, keys, values, None, kwargs or {})
+        scores = token_scores(press.scorer, module, hidden_states, keys, values, None, kwargs or {})
     except (AssertionError, IndexError, RuntimeError, ValueError) as exc:
         raise ValueError(
             f"scorer={type(press.scorer).__name__} cannot score a block while decoding ({exc}). While decoding "

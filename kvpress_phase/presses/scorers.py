@@ -241,3 +241,24 @@ def scorer_from_name(name: str) -> ScorerPress:
     if name not in SCORERS:
         raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(SCORERS)}")
     return SCORERS[name]()
+
+
+def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
+    """KeyDiff's scores (kvpress's ``KeyDiffPress.score``: minus the cosine similarity of each key to the mean of the
+    normalised keys), computed without its temporaries: one pass for the key norms, one matrix-vector product for
+    the anchor (the mean normalised key) and one for the similarities, in float32. Equal to ``KeyDiffPress.score``
+    up to float rounding (``tests/presses/test_scorers.py``); ``(batch, heads, seq_len)``."""
+    x = keys if keys.dtype == torch.float32 else keys.float()
+    norms = torch.linalg.vector_norm(x, dim=-1)                                   # (B, H, n)
+    anchor = torch.einsum("bhnd,bhn->bhd", x, 1.0 / norms.clamp_min(1e-12)) / x.shape[2]
+    dots = torch.einsum("bhnd,bhd->bhn", x, anchor)
+    scale = norms.clamp_min(1e-8) * torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(1e-8)
+    return -dots / scale
+
+
+def token_scores(scorer: ScorerPress, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+    """``scorer``'s scores of ``keys`` in float32: :func:`keydiff_scores` for kvpress's ``KeyDiffPress`` (the
+    presses' default scorer: the same scores without a normalised copy of every key), ``scorer.score`` otherwise."""
+    if type(scorer) is KeyDiffPress:
+        return keydiff_scores(keys)
+    return scorer.score(module, hidden_states, keys, values, attentions, kwargs).float()

@@ -113,3 +113,30 @@ def test_scores_under_autograd_are_differentiable_and_the_same():
     scored.sum().backward()
     assert keys.grad is not None and torch.isfinite(keys.grad).all()
     torch.testing.assert_close(scored.detach(), plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lean_keydiff_scores_equal_kvpress_keydiff(dtype):
+    from kvpress import KeyDiffPress
+
+    from kvpress_phase.presses.scorers import keydiff_scores, token_scores
+
+    g = torch.Generator().manual_seed(3)
+    keys = (torch.randn(2, 3, 257, 16, generator=g) * torch.rand(2, 3, 257, 1, generator=g) * 4).to(dtype)
+    keys[0, 1, 5] = 0  # a zero key: both clamp its norm
+    expected = KeyDiffPress().score(None, None, keys.float(), keys.float(), None, {})
+    lean = keydiff_scores(keys)
+    assert lean.dtype == torch.float32 and lean.shape == (2, 3, 257)
+    torch.testing.assert_close(lean, expected, rtol=0, atol=1e-5)
+    assert torch.equal(token_scores(KeyDiffPress(), None, None, keys, keys, None, {}), lean)
+    assert not torch.equal(lean, keydiff_scores(keys.flip(2)))  # it reads the keys, in order
+
+
+def test_other_scorers_go_through_their_own_score():
+    from kvpress import KnormPress
+
+    from kvpress_phase.presses.scorers import token_scores
+
+    keys = torch.randn(1, 2, 40, 8)
+    assert torch.equal(token_scores(KnormPress(), None, None, keys, keys, None, {}),
+                       KnormPress().score(None, None, keys, keys, None, {}).float())
