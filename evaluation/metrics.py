@@ -147,6 +147,18 @@ def permutation_p_value(rows: np.ndarray, *, n_permutations: int = N_PERMUTATION
     return (1 + exceed) / (1 + n_permutations)
 
 
+def holm(ps) -> np.ndarray:
+    """Holm's step-down adjustment of the p-values ``ps`` (family-wise error over all of them)."""
+    ps = np.asarray(ps, float)
+    order = np.argsort(ps)
+    adjusted = np.empty_like(ps)
+    running = 0.0
+    for i, j in enumerate(order):
+        running = max(running, (len(ps) - i) * ps[j])
+        adjusted[j] = min(1.0, running)
+    return adjusted
+
+
 def boundary_test(matrix: np.ndarray, *, n_permutations: int = N_PERMUTATIONS,
                   rng: Optional[np.random.Generator] = None) -> tuple[Optional[float], Optional[float]]:
     """Whether the boundary phase (the last column, S-1) differs from the others: ``(difference, p)``.

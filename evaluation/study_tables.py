@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pandas as pd
 
+from kvpress_phase.evaluation.metrics import holm
 from kvpress_phase.evaluation.store import read_results
 from kvpress_phase.phase import group_bounds, kept_per_window
 
@@ -77,17 +78,6 @@ def block_c(block="C"):
                        f"{r['detectable_gap'] if r['detectable_gap'] is not None else '-'} |")
             rows.append(r)
     return "\n".join(out), pd.DataFrame(rows)
-
-
-def holm(ps):
-    ps = np.asarray(ps, float)
-    order = np.argsort(ps)
-    adj = np.empty_like(ps)
-    running = 0
-    for i, j in enumerate(order):
-        running = max(running, (len(ps) - i) * ps[j])
-        adj[j] = min(1, running)
-    return adj
 
 
 def group_starts(stride, ratio):

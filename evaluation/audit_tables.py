@@ -1,0 +1,162 @@
+"""Tables and a figure of the phase audit of kvpress's chunked presses (docs/preregistration-chunk-audit.md).
+
+    python -m kvpress_phase.evaluation.audit_tables outputs/chunk-audit/L8 outputs/chunk-audit/L20 \\
+        outputs/chunk-audit/L32 --figure docs/results/chunk-audit/phase-profiles.png --output audit-tables.md
+
+Reads each run's ``summary.json`` (one chunk length ``L`` = stride per run) and results, keeps the audit's cells
+(:data:`AUDIT_CELLS`: the press and ratio pairs the screen admitted), and writes Markdown: per cell the accuracy
+against no compression, the cache length, the within-sample permutation p and its Holm adjustment over all audit
+cells, the cross-fitted gap with its 95% CI, what the cell can detect, the two weakest phases and the boundary test
+(phase ``L-1`` against the others, :func:`~.metrics.boundary_test`); then accuracy by needle depth. The figure shows
+every cell's per-phase accuracy, one panel per task and chunk length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from .metrics import boundary_test, holm, phase_matrix
+from .store import read_results
+
+AUDIT_CELLS = {"chunk": (0.125, 0.25), "chunk:scorer=keydiff": (0.125,), "chunked_stride": (0.125, 0.25)}
+"""The audit's cells by press: the ratios the screen admitted (docs/preregistration-chunk-audit.md, deviation 1)."""
+
+LABELS = {"chunk": "ChunkPress(KnormPress)", "chunk:scorer=keydiff": "ChunkPress(KeyDiffPress)",
+          "chunked_stride": "ChunkedStridePress()", "no_press": "no compression"}
+
+
+def load(runs: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The audit cells' summary records (with the control's accuracy and the Holm-adjusted p) and all results."""
+    records, results = [], []
+    for run in runs:
+        path = os.path.join(run, "summary.json")
+        if not os.path.exists(path):
+            raise ValueError(f"{run} has no summary.json: run `kvpress-phase eval` (or `report`) there first")
+        with open(path) as fh:
+            records.extend(json.load(fh))
+        results.append(read_results(run))
+    summary = pd.DataFrame(records)
+    results = pd.concat(results, ignore_index=True)
+    control = summary[summary.press == "no_press"].set_index(["task", "stride"])["mean"]
+    cells = summary[[ratio in AUDIT_CELLS.get(press, ()) for press, ratio in
+                     zip(summary.press, summary.compression_ratio)]].copy()
+    cells["control"] = [control.get((t, s), np.nan) for t, s in zip(cells.task, cells.stride)]
+    cells["holm_p"] = holm(cells.p_value.fillna(1.0))
+    boundary = []
+    for r in cells.itertuples():
+        sub = results[(results.task == r.task) & (results.stride == r.stride) & (results.press == r.press)
+                      & (results.compression_ratio == r.compression_ratio)]
+        boundary.append(boundary_test(phase_matrix(sub, r.stride)[0]))
+    cells["boundary_diff"] = [d for d, _ in boundary]
+    cells["boundary_p"] = [p for _, p in boundary]
+    return cells.sort_values(["press", "stride", "compression_ratio", "task"]).reset_index(drop=True), results
+
+
+def _f(x, digits=2) -> str:
+    return "-" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _p(p) -> str:
+    if p is None or (isinstance(p, float) and np.isnan(p)):
+        return "-"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def cells_markdown(cells: pd.DataFrame) -> str:
+    lines = [f"Audit cells: {len(cells)} (Holm over all of them). Prefix protocol, query-agnostic, 1,024 tokens.", "",
+             "| press | L | ratio | task | cache | accuracy | no compression | p | Holm p | cross-fitted gap [95% CI] | "
+             "detectable | weakest phases | boundary L-1 minus others (p) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in cells.itertuples():
+        per = np.asarray([np.nan if x is None else x for x in r.per_phase], dtype=float)
+        weakest = ", ".join(f"{i} ({per[i]:.2f})" for i in np.argsort(per, kind="stable")[:2])
+        gap = "-" if r.gap_xfit is None or pd.isna(r.gap_xfit) else \
+            f"{r.gap_xfit:.2f} [{r.gap_xfit_ci_low:.2f}, {r.gap_xfit_ci_high:.2f}]"
+        lines.append(f"| {r.press} | {r.stride} | {r.compression_ratio:g} | {r.task} | {_f(r.cache_length, 0)} | "
+                     f"{r.mean:.3f} | {_f(r.control, 3)} | {_p(r.p_value)} | {_p(r.holm_p)} | {gap} | "
+                     f"{_f(r.detectable_gap)} | {weakest} | {_f(r.boundary_diff)} ({_p(r.boundary_p)}) |")
+    return "\n".join(lines) + "\n"
+
+
+def depth_markdown(cells: pd.DataFrame) -> str:
+    lines = ["Accuracy by needle depth (five bins from the start to the end of the context; mean over tasks and chunk "
+             "lengths)", "", "| press | ratio | 0-0.2 | 0.2-0.4 | 0.4-0.6 | 0.6-0.8 | 0.8-1 |",
+             "|---|---|---|---|---|---|---|"]
+    for (press, ratio), part in cells.groupby(["press", "compression_ratio"]):
+        bins = np.array([[np.nan if m is None else m for m, _ in r] for r in part.per_depth if r], dtype=float)
+        if len(bins):
+            with warnings.catch_warnings():  # a depth bin no needle fell into stays empty: "-"
+                warnings.simplefilter("ignore", RuntimeWarning)
+                means = np.nanmean(bins, axis=0)
+            lines.append(f"| {press} | {ratio:g} | " + " | ".join(_f(x) for x in means) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(cells: pd.DataFrame, summary_control: pd.DataFrame, path: str) -> None:
+    """Per-phase accuracy of every audit cell: one panel per task (rows) and chunk length (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks, strides = sorted(cells.task.unique()), sorted(cells.stride.unique())
+    fig, axes = plt.subplots(len(tasks), len(strides), figsize=(4.2 * len(strides), 3.2 * len(tasks)),
+                             squeeze=False, sharey=True)
+    for i, task in enumerate(tasks):
+        for j, stride in enumerate(strides):
+            ax = axes[i][j]
+            for r in cells[(cells.task == task) & (cells.stride == stride)].itertuples():
+                ax.plot(range(stride), [np.nan if x is None else x for x in r.per_phase], marker=".",
+                        label=f"{LABELS.get(r.press, r.press)} {r.compression_ratio:g} (p {_p(r.holm_p)} Holm)")
+            ctrl = summary_control[(summary_control.task == task) & (summary_control.stride == stride)]
+            if len(ctrl):
+                ax.axhline(float(ctrl["mean"].iloc[0]), color="grey", linestyle=":", label="no compression")
+            ax.set_title(f"{task}, L = {stride}", fontsize=9)
+            ax.set_xlabel("phase (position mod L)")
+            ax.set_ylim(-0.05, 1.05)
+            ax.legend(fontsize=6, loc="lower left")
+        axes[i][0].set_ylabel("accuracy")
+    fig.suptitle("Phase audit of kvpress's chunked presses (SmolLM2-135M-Instruct, prefix protocol)", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpress_phase.evaluation.audit_tables",
+                                     description="Tables of the phase audit of kvpress's chunked presses.")
+    parser.add_argument("runs", nargs="+", help="the audit's output folders (one chunk length each)")
+    parser.add_argument("--output", help="write the Markdown here as well as to stdout")
+    parser.add_argument("--figure", help="write the per-phase figure here (PNG)")
+    args = parser.parse_args(argv)
+    try:
+        cells, _ = load(args.runs)
+    except ValueError as exc:
+        print(f"audit_tables: error: {exc}", file=sys.stderr)
+        return 2
+    text = cells_markdown(cells) + "\n" + depth_markdown(cells)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(text)
+    if args.figure:
+        records = []
+        for run in args.runs:
+            with open(os.path.join(run, "summary.json")) as fh:
+                records.extend(json.load(fh))
+        control = pd.DataFrame(records)
+        figure(cells, control[control.press == "no_press"], args.figure)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
