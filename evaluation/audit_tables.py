@@ -33,8 +33,11 @@ LABELS = {"chunk": "ChunkPress(KnormPress)", "chunk:scorer=keydiff": "ChunkPress
           "chunked_stride": "ChunkedStridePress()", "no_press": "no compression"}
 
 
-def load(runs: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The audit cells' summary records (with the control's accuracy and the Holm-adjusted p) and all results."""
+def load(runs: list[str], cells: Optional[dict] = AUDIT_CELLS) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The audit cells' summary records (with the control's accuracy and the Holm-adjusted p) and all results.
+
+    ``cells`` maps a press label to its audited ratios (default: this study's :data:`AUDIT_CELLS`); None audits every
+    press and ratio of the runs but ``no_press`` (an audit of one's own press with ``kvpress-phase audit``)."""
     records, results = [], []
     for run in runs:
         path = os.path.join(run, "summary.json")
@@ -46,8 +49,9 @@ def load(runs: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
     summary = pd.DataFrame(records)
     results = pd.concat(results, ignore_index=True)
     control = summary[summary.press == "no_press"].set_index(["task", "stride"])["mean"]
-    cells = summary[[ratio in AUDIT_CELLS.get(press, ()) for press, ratio in
-                     zip(summary.press, summary.compression_ratio)]].copy()
+    keep = [press != "no_press" if cells is None else ratio in cells.get(press, ())
+            for press, ratio in zip(summary.press, summary.compression_ratio)]
+    cells = summary[keep].copy()
     cells["control"] = [control.get((t, s), np.nan) for t, s in zip(cells.task, cells.stride)]
     cells["holm_p"] = holm(cells.p_value.fillna(1.0))
     boundary = []
@@ -137,9 +141,12 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("runs", nargs="+", help="the audit's output folders (one chunk length each)")
     parser.add_argument("--output", help="write the Markdown here as well as to stdout")
     parser.add_argument("--figure", help="write the per-phase figure here (PNG)")
+    parser.add_argument("--all-cells", action="store_true",
+                        help="audit every press and ratio of the runs (an audit of your own press), not only the "
+                             "cells this study's screen admitted")
     args = parser.parse_args(argv)
     try:
-        cells, _ = load(args.runs)
+        cells, _ = load(args.runs, None if args.all_cells else AUDIT_CELLS)
     except ValueError as exc:
         print(f"audit_tables: error: {exc}", file=sys.stderr)
         return 2

@@ -43,3 +43,5 @@ def test_the_screen_formats_into_the_audit_cells(tmp_path):
     assert figure.stat().st_size > 10_000
     assert (tmp_path / "t.md").read_text() == cells_markdown(cells) + "\n" + depth_markdown(cells)
     assert main([str(tmp_path)]) == 2  # no summary.json: a clear error, exit 2
+    every, _ = load([SCREEN], None)  # every press and ratio of the run but the control
+    assert len(every) == 2 * 5 * 4 and "no_press" not in set(every.press)
