@@ -11,13 +11,13 @@ tokens seen so far, ``n = cache length + D``, and compresses the next stride blo
 :func:`~kvpress_phase.phase.n_windows` says ``n`` tokens hold that many windows: the same rule as the prefill,
 so the block a row compresses has left the ``n_local`` window, and the cache then holds exactly
 ``compressed_length(n)`` entries. Each block starts where the row's previous one ended, so a generated token's
-phase continues the prefill's grid, per row (PhaseAwarePress's per-head and aligned grids included).
+phase continues the prefill's grid, per row (StaggeredWindowPress's per-head and aligned grids included).
 
 The blocks are compressed by the press's own kernel call (``compress_windows``), handed only the raw tokens the
 due windows read, as a sequence of their own: there cache indices are consecutive positions, and un-rotation and
 re-rotation happen in the same frame, so only distances between positions matter and re-rotation is exact even
-though a token's cache index is no longer its position. Content-adaptive budgets (PhaseAwarePress's
-``budget="row"`` or ``"window_topk"``) thus choose among the tokens of the blocks being compressed. A step that
+though a token's cache index is no longer its position. Content-adaptive budgets (PhaseAwarePress's row
+budget, StaggeredWindowPress's ``budget="window_topk"``) thus choose among the tokens of the blocks being compressed. A step that
 completes no block costs a few integer operations.
 
 Length rule: after every forward pass (prefill, question, each generated token) the cache holds exactly

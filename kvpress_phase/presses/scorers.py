@@ -104,7 +104,8 @@ class SnapKVScorer(SnapKVPress):
                         position_embeddings) -> torch.Tensor:
         """Scores of ``keys`` (a block of the cache, already rotated) while decoding, ``(batch, kv_heads, k_len)``:
         the attention of the current step's query (the last of ``hidden_states``) restricted to those keys,
-        averaged over each KV head's query heads. Under ``decoding=True`` there is no window of context queries;
+        averaged over each KV head's query heads. While decoding (:class:`~kvpress_phase.WindowedDecodingPress`) there is no window of
+        context queries;
         this is SnapKV's signal with the newest token as its one-query window."""
         batch, kv_heads, k_len, head_dim = keys.shape
         groups = module.config.num_attention_heads // kv_heads
