@@ -112,24 +112,36 @@ def figure(cells: pd.DataFrame, summary_control: pd.DataFrame, path: str) -> Non
     import matplotlib.pyplot as plt
 
     tasks, strides = sorted(cells.task.unique()), sorted(cells.stride.unique())
-    fig, axes = plt.subplots(len(tasks), len(strides), figsize=(4.2 * len(strides), 3.2 * len(tasks)),
+    fig, axes = plt.subplots(len(tasks), len(strides), figsize=(4.4 * len(strides), 3.4 * len(tasks) + 0.8),
                              squeeze=False, sharey=True)
+    colours = {}
     for i, task in enumerate(tasks):
         for j, stride in enumerate(strides):
             ax = axes[i][j]
+            flagged = []
             for r in cells[(cells.task == task) & (cells.stride == stride)].itertuples():
-                ax.plot(range(stride), [np.nan if x is None else x for x in r.per_phase], marker=".",
-                        label=f"{LABELS.get(r.press, r.press)} {r.compression_ratio:g} (p {_p(r.holm_p)} Holm)")
+                name = f"{LABELS.get(r.press, r.press)} at {r.compression_ratio:g}"
+                colour = colours.setdefault(name, f"C{len(colours)}")
+                significant = r.holm_p < 0.05
+                ax.plot(range(stride), [np.nan if x is None else x for x in r.per_phase], marker=".", color=colour,
+                        linewidth=2.4 if significant else 1.0, label=name)
+                if significant:
+                    flagged.append(f"{name}: Holm p {_p(r.holm_p)}")
             ctrl = summary_control[(summary_control.task == task) & (summary_control.stride == stride)]
             if len(ctrl):
                 ax.axhline(float(ctrl["mean"].iloc[0]), color="grey", linestyle=":", label="no compression")
-            ax.set_title(f"{task}, L = {stride}", fontsize=9)
+            ax.set_title(f"{task}, L = {stride}" + "".join("\n" + f for f in flagged), fontsize=8)
             ax.set_xlabel("phase (position mod L)")
             ax.set_ylim(-0.05, 1.05)
-            ax.legend(fontsize=6, loc="lower left")
+            ax.xaxis.get_major_locator().set_params(integer=True)
         axes[i][0].set_ylabel("accuracy")
-    fig.suptitle("Phase audit of kvpress's chunked presses (SmolLM2-135M-Instruct, prefix protocol)", fontsize=10)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    legend = fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    for handle in legend.legend_handles:
+        handle.set_linewidth(1.5)
+    fig.suptitle("Phase audit of kvpress's chunked presses (SmolLM2-135M-Instruct, prefix protocol; thick lines: "
+                 "a phase effect after Holm)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
