@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from typing import Optional
 
 import numpy as np
@@ -25,6 +24,7 @@ import pandas as pd
 
 from .metrics import boundary_test, holm, phase_matrix
 from .store import read_results
+from .targets import depth_markdown, fmt_number, fmt_p
 
 AUDIT_CELLS = {"chunk": (0.125, 0.25), "chunk:scorer=keydiff": (0.125,), "chunked_stride": (0.125, 0.25)}
 """The audit's cells by press: the ratios the screen admitted (docs/preregistration-chunk-audit.md, deviation 1)."""
@@ -34,7 +34,8 @@ LABELS = {"chunk": "ChunkPress(KnormPress)", "chunk:scorer=keydiff": "ChunkPress
 
 
 def load(runs: list[str], cells: Optional[dict] = AUDIT_CELLS) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The audit cells' summary records (with the control's accuracy and the Holm-adjusted p) and all results.
+    """The audit cells' summary records (with the control's accuracy and the Holm-adjusted p), and every summary
+    record of the runs (the control's included).
 
     ``cells`` maps a press label to its audited ratios (default: this study's :data:`AUDIT_CELLS`); None audits every
     press and ratio of the runs but ``no_press`` (an audit of one's own press with ``kvpress-phase audit``)."""
@@ -51,27 +52,17 @@ def load(runs: list[str], cells: Optional[dict] = AUDIT_CELLS) -> tuple[pd.DataF
     control = summary[summary.press == "no_press"].set_index(["task", "stride"])["mean"]
     keep = [press != "no_press" if cells is None else ratio in cells.get(press, ())
             for press, ratio in zip(summary.press, summary.compression_ratio)]
-    cells = summary[keep].copy()
-    cells["control"] = [control.get((t, s), np.nan) for t, s in zip(cells.task, cells.stride)]
-    cells["holm_p"] = holm(cells.p_value.fillna(1.0))
+    audited = summary[keep].copy()
+    audited["control"] = [control.get((t, s), np.nan) for t, s in zip(audited.task, audited.stride)]
+    audited["holm_p"] = holm(audited.p_value.fillna(1.0))
     boundary = []
-    for r in cells.itertuples():
+    for r in audited.itertuples():
         sub = results[(results.task == r.task) & (results.stride == r.stride) & (results.press == r.press)
                       & (results.compression_ratio == r.compression_ratio)]
         boundary.append(boundary_test(phase_matrix(sub, r.stride)[0]))
-    cells["boundary_diff"] = [d for d, _ in boundary]
-    cells["boundary_p"] = [p for _, p in boundary]
-    return cells.sort_values(["press", "stride", "compression_ratio", "task"]).reset_index(drop=True), results
-
-
-def _f(x, digits=2) -> str:
-    return "-" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.{digits}f}"
-
-
-def _p(p) -> str:
-    if p is None or (isinstance(p, float) and np.isnan(p)):
-        return "-"
-    return "<0.001" if p < 0.001 else f"{p:.3f}"
+    audited["boundary_diff"] = [d for d, _ in boundary]
+    audited["boundary_p"] = [p for _, p in boundary]
+    return audited.sort_values(["press", "stride", "compression_ratio", "task"]).reset_index(drop=True), summary
 
 
 def cells_markdown(cells: pd.DataFrame) -> str:
@@ -84,23 +75,9 @@ def cells_markdown(cells: pd.DataFrame) -> str:
         weakest = ", ".join(f"{i} ({per[i]:.2f})" for i in np.argsort(per, kind="stable")[:2])
         gap = "-" if r.gap_xfit is None or pd.isna(r.gap_xfit) else \
             f"{r.gap_xfit:.2f} [{r.gap_xfit_ci_low:.2f}, {r.gap_xfit_ci_high:.2f}]"
-        lines.append(f"| {r.press} | {r.stride} | {r.compression_ratio:g} | {r.task} | {_f(r.cache_length, 0)} | "
-                     f"{r.mean:.3f} | {_f(r.control, 3)} | {_p(r.p_value)} | {_p(r.holm_p)} | {gap} | "
-                     f"{_f(r.detectable_gap)} | {weakest} | {_f(r.boundary_diff)} ({_p(r.boundary_p)}) |")
-    return "\n".join(lines) + "\n"
-
-
-def depth_markdown(cells: pd.DataFrame) -> str:
-    lines = ["Accuracy by needle depth (five bins from the start to the end of the context; mean over tasks and chunk "
-             "lengths)", "", "| press | ratio | 0-0.2 | 0.2-0.4 | 0.4-0.6 | 0.6-0.8 | 0.8-1 |",
-             "|---|---|---|---|---|---|---|"]
-    for (press, ratio), part in cells.groupby(["press", "compression_ratio"]):
-        bins = np.array([[np.nan if m is None else m for m, _ in r] for r in part.per_depth if r], dtype=float)
-        if len(bins):
-            with warnings.catch_warnings():  # a depth bin no needle fell into stays empty: "-"
-                warnings.simplefilter("ignore", RuntimeWarning)
-                means = np.nanmean(bins, axis=0)
-            lines.append(f"| {press} | {ratio:g} | " + " | ".join(_f(x) for x in means) + " |")
+        lines.append(f"| {r.press} | {r.stride} | {r.compression_ratio:g} | {r.task} | {fmt_number(r.cache_length, 0)} | "
+                     f"{r.mean:.3f} | {fmt_number(r.control, 3)} | {fmt_p(r.p_value)} | {fmt_p(r.holm_p)} | {gap} | "
+                     f"{fmt_number(r.detectable_gap, 2)} | {weakest} | {fmt_number(r.boundary_diff, 2)} ({fmt_p(r.boundary_p)}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -126,7 +103,7 @@ def figure(cells: pd.DataFrame, summary_control: pd.DataFrame, path: str) -> Non
                 ax.plot(range(stride), [np.nan if x is None else x for x in r.per_phase], marker=".", color=colour,
                         linewidth=2.4 if significant else 1.0, label=name)
                 if significant:
-                    flagged.append(f"{name}: Holm p {_p(r.holm_p)}")
+                    flagged.append(f"{name}: Holm p {fmt_p(r.holm_p)}")
             ctrl = summary_control[(summary_control.task == task) & (summary_control.stride == stride)]
             if len(ctrl):
                 ax.axhline(float(ctrl["mean"].iloc[0]), color="grey", linestyle=":", label="no compression")
@@ -158,7 +135,7 @@ def main(argv: Optional[list] = None) -> int:
                              "cells this study's screen admitted")
     args = parser.parse_args(argv)
     try:
-        cells, _ = load(args.runs, None if args.all_cells else AUDIT_CELLS)
+        cells, summary = load(args.runs, None if args.all_cells else AUDIT_CELLS)
     except ValueError as exc:
         print(f"audit_tables: error: {exc}", file=sys.stderr)
         return 2
@@ -168,12 +145,7 @@ def main(argv: Optional[list] = None) -> int:
         with open(args.output, "w") as fh:
             fh.write(text)
     if args.figure:
-        records = []
-        for run in args.runs:
-            with open(os.path.join(run, "summary.json")) as fh:
-                records.extend(json.load(fh))
-        control = pd.DataFrame(records)
-        figure(cells, control[control.press == "no_press"], args.figure)
+        figure(cells, summary[summary.press == "no_press"], args.figure)
     return 0
 
 

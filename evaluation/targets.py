@@ -22,6 +22,7 @@ import argparse
 import math
 import os
 import sys
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -43,12 +44,14 @@ def load(runs: list[str]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True).drop_duplicates("key", keep="first")
 
 
-def _f(x, digits=3) -> str:
+def fmt_number(x, digits=3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _p(p) -> str:
-    return "-" if p is None else ("<0.001" if p < 0.001 else f"{p:.3f}")
+def fmt_p(p) -> str:
+    if p is None or (isinstance(p, float) and math.isnan(p)):
+        return "-"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def targets(records: pd.DataFrame, press: str, reference: str, baselines: list[str]) -> pd.DataFrame:
@@ -88,8 +91,8 @@ def targets_markdown(table: pd.DataFrame, press: str, reference: str) -> str:
             mark = {True: "met", False: "**missed**", None: "n/a"}
             t2 = mark[r.t2] if r.t2 is None else f"{mark[r.t2]} ({r.press - r.reference:+.2f})"
             t3 = mark[r.t3] if r.t3 is None else f"{mark[r.t3]} ({r.press - r.best_mean:+.2f})"
-            lines.append(f"| {r.task} | {r.length} | {r.stride} | {r.ratio:g} | {_f(r.no_press, 2)} | "
-                         f"{_f(r.reference)} | {_f(r.press)} | {_p(r.p)} | {r.best_baseline} {_f(r.best_mean)} | {mark[r.t1]} | "
+            lines.append(f"| {r.task} | {r.length} | {r.stride} | {r.ratio:g} | {fmt_number(r.no_press, 2)} | "
+                         f"{fmt_number(r.reference)} | {fmt_number(r.press)} | {fmt_p(r.p)} | {r.best_baseline} {fmt_number(r.best_mean)} | {mark[r.t1]} | "
                          f"{t2} | {t3} |")
         n = len(part)
         t2 = part["t2"].dropna()
@@ -118,8 +121,8 @@ def science(results: pd.DataFrame, records: pd.DataFrame) -> str:
         gap = "-" if r.gap_xfit is None or pd.isna(r.gap_xfit) else \
             f"{r.gap_xfit:.2f} [{r.gap_xfit_ci_low:.2f}, {r.gap_xfit_ci_high:.2f}]"
         lines.append(f"| {setting} | {task} | {length} | {stride} | {ratio:g} | {press} | {r['mean']:.3f} | "
-                     f"{_p(r.p_value)} | {gap} | {_f(r.detectable_gap, 2)} | {lowest} | "
-                     f"{_f(diff, 2)} ({_p(p_boundary)}) |")
+                     f"{fmt_p(r.p_value)} | {gap} | {fmt_number(r.detectable_gap, 2)} | {lowest} | "
+                     f"{fmt_number(diff, 2)} ({fmt_p(p_boundary)}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -130,8 +133,10 @@ def depth_markdown(records: pd.DataFrame) -> str:
         bins = np.array([[np.nan if m is None else m for m, _ in r] for r in part.per_depth if r], dtype=float)
         if not len(bins):
             continue
-        means = np.nanmean(bins, axis=0)
-        lines.append(f"| {setting} | {press} | {ratio:g} | " + " | ".join(_f(x, 2) for x in means) + " |")
+        with warnings.catch_warnings():  # a depth bin no needle fell into stays empty: "-"
+            warnings.simplefilter("ignore", RuntimeWarning)
+            means = np.nanmean(bins, axis=0)
+        lines.append(f"| {setting} | {press} | {ratio:g} | " + " | ".join(fmt_number(x, 2) for x in means) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -35,6 +35,8 @@ from kvpress_phase.presses.stats import LayerStats
 from kvpress_phase.rope import rotary_inv_freq
 
 MODES = ("select", "pool")
+RESIDUALS = ("drop", "pool")
+"""What happens to the tokens a score-chosen budget does not keep: dropped, or pooled into entries."""
 
 
 def check_choice(name: str, value, choices) -> None:

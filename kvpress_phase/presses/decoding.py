@@ -115,9 +115,7 @@ class WindowedDecodingPress(PrefillDecodingPress):
         """The prefill's compression by ``press``, then where each row's grid stands (:func:`start`)."""
         keys, values = self.press.compress(module, hidden_states, keys, values, attentions, kwargs)
         layer_idx = getattr(module, "layer_idx", 0)
-        stats = self.press.stats[layer_idx]
-        layout = stats.layout if stats.requested_ratio else None
-        start(self, module, layout, keys.shape[2], kwargs)
+        start(self, module, self.press.stats[layer_idx].layout, keys.shape[2], kwargs)  # None: not compressed
         return keys, values
 
     def forward_hook(self, module: nn.Module, input, kwargs: dict, output):

@@ -10,8 +10,8 @@ from torch import nn
 
 from kvpress_phase.kernels import Compressed, keep_and_pool
 from kvpress_phase.phase import WindowLayout, check_number, kept_per_window, merge_period
-from kvpress_phase.presses.base import (WindowedPress, check_bool, check_choice, check_window_options, fixed_windows,
-                                        pooled_entry_ends)
+from kvpress_phase.presses.base import (RESIDUALS, WindowedPress, check_bool, check_choice, check_window_options,
+                                        fixed_windows, pooled_entry_ends)
 from kvpress_phase.presses.choice import keep_only, raw_tokens
 from kvpress_phase.rope import rotary_inv_freq
 
@@ -80,7 +80,7 @@ class StaggeredWindowPress(WindowedPress):
 
     def validate(self) -> None:
         check_choice("budget", self.budget, BUDGETS)
-        check_choice("residual", self.residual, ("pool", "drop"))
+        check_choice("residual", self.residual, RESIDUALS)
         check_bool("share_heads", self.share_heads)
         check_window_options(self.mode, self.weighting, self.rope)
         if self.budget == "window_topk" and (self.mode != "pool" or self.overlap) and self.residual == "pool":
