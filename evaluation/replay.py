@@ -167,6 +167,8 @@ class ReplayEngine:
         missing = ALL_INPUTS - state.reads
         try:
             with _shared_scores(press, state):
+                if getattr(press, "plans_across_layers", False):  # a budget across layers: every layer's scores
+                    press.plan(state.inputs.values())
                 self._compress_layers(state, press, cache, device)
         except (RuntimeError, NotImplementedError) as exc:
             if not missing or "meta" not in str(exc):
@@ -190,13 +192,22 @@ class ReplayEngine:
                 new_keys, new_values = keys, values
             else:
                 new_keys, new_values = press.compress(module, hidden, keys, values, attentions, kwargs)
+                # a press that masks entries (a budget per KV head) leaves them for kvpress's attention patch;
+                # the engine decodes with masks of its own (:meth:`masks`)
+                module.masked_key_indices = None
             cache.layers[layer_idx].keys = new_keys
             cache.layers[layer_idx].values = new_values
 
     def masks(self, state: Prefill, press: Optional[BasePress]):
         """The entries ``press`` masks in ``state``'s cache while decoding (:data:`.decoding.Masks`), or None for
-        a press that removes entries. KVzip's scores are computed once per prefill and reused for every ratio."""
-        if not _is_kvzip(press) or press.compression_ratio == 0:
+        a press that removes entries. KVzip's scores are computed once per prefill and reused for every ratio; a
+        press of ours that masks (``PhaseAwarePress(allocate="heads")``) records its masks in ``press.stats`` when
+        :meth:`compressed_cache` compresses with it, so this is called after that."""
+        if not _is_kvzip(press):
+            found = {layer: stats.masked for layer, stats in getattr(press, "stats", {}).items()
+                     if getattr(stats, "masked", None) is not None}
+            return found or None
+        if press.compression_ratio == 0:
             return None
         from .decoding import kvzip_masks
         return kvzip_masks(self.model, self._kvzip_scores(state), press.compression_ratio)

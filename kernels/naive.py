@@ -37,6 +37,9 @@ class Compressed(NamedTuple):
     ends: Optional[torch.Tensor] = None
     """``(batch, heads, compressed_length)`` long, one past the last source position of every entry, where the
     op knows it better than the layout does (:func:`keep_and_pool`); ``None`` otherwise."""
+    masked: Optional[torch.Tensor] = None
+    """``(batch, heads, compressed_length)`` bool: entries stored only to pad heads that keep fewer entries than
+    others in the layer (a budget per KV head), masked while decoding; ``None`` when every entry is attended."""
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -38,11 +38,15 @@ def reshaped(fields: dict) -> dict:
     - ``span`` and ``span_pool`` were removed (no documented spec used them: they must be at their defaults);
     - PhaseAwarePress's per-window budgets (``budget="window"``/``"window_topk"``) are ``StaggeredWindowPress``,
       which has no ``pool_window`` or ``recent`` (row-budget settings: at their defaults there);
-    - under its row budget (now its only one) PhaseAwarePress's window and grid fields did nothing: dropped.
+    - under its row budget (now its only one) PhaseAwarePress's window and grid fields did nothing: dropped;
+    - PhaseAwarePress gained ``allocate`` and ``floor`` (a budget spread across layers or heads) after the golden
+      files were written: a configuration without them has their defaults, the even budget it always had.
     """
     out = dict(fields)
     if "decoding" in out:
         assert out.pop("decoding") == "False"
+    if out["class"] == "PhaseAwarePress" and "allocate" not in out and out.get("budget", "'row'") == "'row'":
+        out.update(allocate="'even'", floor="0.0")
     if out["class"] != "PhaseAwarePress" or "budget" not in out:
         return out
     assert (out.pop("span"), out.pop("span_pool")) == ("0", "'max'")

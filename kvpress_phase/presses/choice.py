@@ -7,16 +7,19 @@ tokens are then kept alone (:func:`keep_only`) or beside pooled leftovers (:func
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 
 from kvpress_phase.kernels import Compressed
 from kvpress_phase.phase import WindowLayout
 
 
-def raw_tokens(scores: torch.Tensor, layout: WindowLayout, n_raw: int, *, share_heads: bool, cap: bool = False,
-               per_window: bool = False, recent: float = 0.0) -> torch.Tensor:
+def raw_tokens(scores: torch.Tensor, layout: WindowLayout, n_raw: Union[int, torch.Tensor], *, share_heads: bool,
+               cap: bool = False, per_window: bool = False, recent: float = 0.0) -> torch.Tensor:
     """``(batch, heads, seq_len)`` bool: the ``n_raw`` window tokens of ``layout`` that stay raw; tokens outside the
-    windows are always raw.
+    windows are always raw. ``n_raw`` is one count, or a ``(batch, heads)`` tensor of counts (a budget per KV head,
+    :func:`spread_budget`; not with ``share_heads``, ``cap`` or ``per_window``).
 
     - ``share_heads``: the scores are averaged over the KV heads first, so every head keeps the same tokens (a fact
       is kept whole in every head);
@@ -30,6 +33,8 @@ def raw_tokens(scores: torch.Tensor, layout: WindowLayout, n_raw: int, *, share_
     """
     s = scores.float()
     heads = s.shape[1]
+    if isinstance(n_raw, torch.Tensor) and (share_heads or cap or per_window):
+        raise ValueError("a budget per KV head needs share_heads=False, and neither cap nor per_window")
     win_pos = layout.window_positions().clamp(max=s.shape[2] - 1)  # (B, H, nw, W)
     options = dict(n_windows=layout.n_windows, n_raw=n_raw, cap=cap, per_window=per_window, recent=recent)
     if share_heads:
@@ -40,16 +45,18 @@ def raw_tokens(scores: torch.Tensor, layout: WindowLayout, n_raw: int, *, share_
     return _choose(s, win_pos, **options)
 
 
-def _choose(s: torch.Tensor, win_pos: torch.Tensor, *, n_windows: int, n_raw: int, cap: bool, per_window: bool,
-            recent: float) -> torch.Tensor:
+def _choose(s: torch.Tensor, win_pos: torch.Tensor, *, n_windows: int, n_raw: Union[int, torch.Tensor], cap: bool,
+            per_window: bool, recent: float) -> torch.Tensor:
     B, H, n = s.shape
     key = s.gather(2, win_pos.flatten(2)).view(win_pos.shape)  # (B, H, nw, W): the window tokens' scores
     original = key
     if recent > 0:  # the last window positions, one contiguous block
-        n_recent = min(int(round(recent * n_raw)), n_raw)
-        if n_recent:
+        counts = torch.as_tensor(n_raw, device=s.device).expand(B, H)
+        n_recent = torch.minimum(torch.round(recent * counts.double()).long(), counts)  # per row
+        if bool((n_recent > 0).any()):
             flat = key.flatten(2).clone()
-            flat[..., flat.shape[-1] - n_recent:] = float("inf")
+            last = torch.arange(flat.shape[-1], device=s.device) >= flat.shape[-1] - n_recent[..., None]
+            flat[last] = float("inf")
             key = flat.view(key.shape)
     if cap:
         key = key.scatter(-1, original.argmin(dim=-1, keepdim=True), float("-inf"))
@@ -60,13 +67,57 @@ def _choose(s: torch.Tensor, win_pos: torch.Tensor, *, n_windows: int, n_raw: in
         return raw.scatter_(2, win_pos.flatten(2), keep.flatten(2))
     flat_key = key.flatten(2)
     order = flat_key.argsort(dim=-1, descending=True, stable=True)
-    keep = torch.zeros_like(flat_key, dtype=torch.bool).scatter_(-1, order[..., :n_raw], True)
+    if isinstance(n_raw, torch.Tensor):  # a count per row: the row's n_raw best
+        rank = torch.arange(order.shape[-1], device=s.device).expand_as(order)
+        keep = torch.zeros_like(flat_key, dtype=torch.bool).scatter_(-1, order, rank < n_raw[..., None])
+    else:
+        keep = torch.zeros_like(flat_key, dtype=torch.bool).scatter_(-1, order[..., :n_raw], True)
     return raw.scatter_(2, win_pos.flatten(2), keep)
 
 
 def keep_only(keys: torch.Tensor, values: torch.Tensor, raw: torch.Tensor, layout: WindowLayout) -> Compressed:
-    """The tokens ``raw`` marks, in order: no pooled entries, the whole budget goes to raw tokens."""
-    idx = torch.argsort((~raw).to(torch.int8), dim=-1, stable=True)[..., : layout.compressed_length]
+    """The tokens ``raw`` marks, in order: no pooled entries, the whole budget goes to raw tokens.
+
+    Rows that mark different numbers of tokens (a budget per layer or per KV head) are stored at the layer's longest
+    row: a shorter row is padded with its first unmarked tokens, flagged in ``Compressed.masked`` (decoding must
+    not attend to them)."""
+    counts = raw.sum(dim=-1)
+    longest = int(counts.max())
+    idx = torch.argsort((~raw).to(torch.int8), dim=-1, stable=True)[..., :longest]
     d = keys.shape[-1]
     take = idx[..., None].expand(-1, -1, -1, d)
-    return Compressed(keys.gather(2, take), values.gather(2, take), idx, idx + 1)
+    masked = None
+    if bool((counts != longest).any()):
+        masked = torch.arange(longest, device=raw.device) >= counts[..., None]
+    return Compressed(keys.gather(2, take), values.gather(2, take), idx, idx + 1, masked)
+
+
+def spread_budget(scores: list[torch.Tensor], budgets: list[int], floor: float) -> list[torch.Tensor]:
+    """Spend the budgets of several units (layers, or the KV heads of layers) together, by score.
+
+    ``scores[i]`` is ``(rows_i, n_i)``: unit ``i``'s rows (one per KV head, or one for a layer whose heads share
+    their tokens) and the scores of its ``n_i`` candidate tokens, comparable between units (KeyDiff's cosine
+    similarities are scale-free); ``budgets[i]`` is what each of its rows would keep if every row kept the same.
+    All ``sum(rows_i * budgets[i])`` entries go to the best-scoring tokens over every row, except that every row
+    first keeps its ``floor * budgets[i]`` best (rounded down; ``floor`` in ``[0, 1]``). Returns each unit's
+    ``(rows_i,)`` long tensor of counts (they add up to the total; ties go to the earlier unit and token).
+    """
+    if not 0 <= floor <= 1:
+        raise ValueError(f"floor must be in [0, 1], got {floor!r}")
+    keyed, total = [], 0
+    for s, budget in zip(scores, budgets):
+        s = s.float()
+        n_floor = min(int(floor * budget), s.shape[-1])
+        if n_floor:
+            top = s.argsort(dim=-1, descending=True, stable=True)[..., :n_floor]
+            s = s.scatter(-1, top, float("inf"))
+        keyed.append(s)
+        total += s.shape[0] * budget
+    flat = torch.cat([s.flatten() for s in keyed])
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[flat.argsort(descending=True, stable=True)[:total]] = True
+    counts, start = [], 0
+    for s in keyed:
+        counts.append(chosen[start:start + s.numel()].view(s.shape).sum(dim=-1))
+        start += s.numel()
+    return counts

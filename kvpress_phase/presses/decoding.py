@@ -81,6 +81,10 @@ class WindowedDecodingPress(PrefillDecodingPress):
         if getattr(windowed.scorer, "needs_context", False):
             raise ValueError(f"WindowedDecodingPress cannot use {type(windowed.scorer).__name__}: its scores need the "
                              "whole context, which a decoding step does not have")
+        if getattr(windowed, "allocate", "even") != "even":
+            raise ValueError(f"WindowedDecodingPress needs the same budget in every window of every layer and head; "
+                             f"{type(windowed).__name__}(allocate={windowed.allocate!r}) spreads it by score (use "
+                             "allocate='even' while decoding)")
 
     @property
     def windowed(self):

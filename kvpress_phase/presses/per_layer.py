@@ -42,6 +42,9 @@ class PerLayerWindowedPress(BasePress):
                 f"press must be a ChunkedStridePress, PhaseAwarePress or StaggeredWindowPress, got {type(self.press).__name__}; for a "
                 "kvpress ScorerPress use kvpress's PerLayerCompressionPress"
             )
+        if getattr(self.press, "allocate", "even") in ("layers", "layers_heads"):
+            raise ValueError(f"PerLayerWindowedPress sets each layer's budget itself; {type(self.press).__name__}"
+                             f"(allocate={self.press.allocate!r}) spreads one budget across layers: use one or the other")
         ratios = self.compression_ratios
         if isinstance(ratios, Mapping):
             for layer, r in ratios.items():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -11,8 +11,13 @@ from torch import nn
 from kvpress_phase.kernels import ROPE_MODES, WEIGHTINGS, Compressed, keep_and_pool
 from kvpress_phase.phase import WindowLayout, check_number
 from kvpress_phase.presses.base import RESIDUALS, WindowedPress, check_bool, check_choice
-from kvpress_phase.presses.choice import keep_only, raw_tokens
+from kvpress_phase.presses.choice import keep_only, raw_tokens, spread_budget
+from kvpress_phase.presses.scorers import token_scores
 from kvpress_phase.rope import rotary_inv_freq
+
+ALLOCATIONS = ("even", "layers", "heads", "layers_heads")
+"""Where ``PhaseAwarePress`` spends its raw-token budget: the same count in every layer and head, or by score
+across layers, across the KV heads of each layer, or across both."""
 
 ROW_POOL_WINDOWS = 4
 """With ``residual="pool"`` the leftover tokens are pooled over ``ROW_POOL_WINDOWS`` consecutive windows by default
@@ -69,6 +74,18 @@ class PhaseAwarePress(WindowedPress):
         ``residual="pool"``: pool weights, uniform or the softmax of the scores.
     rope : {"start", "center", "centroid", "none"}, default "start"
         ``residual="pool"``: where a pooled key is re-rotated (as in ``ChunkedStridePress``).
+    allocate : {"even", "layers", "heads", "layers_heads"}, default "even"
+        Where the raw-token budget goes (``residual="drop"`` only). ``"even"``: every layer and head keeps
+        ``n_windows * k``. The others keep the same total but spend it by score (:func:`spread_budget`): across the
+        layers (``"layers"``: each layer's tensor has its own length, so the entries saved free memory; every
+        layer's scores are needed first, so the press compresses when the prefill has finished, as with a scorer
+        that needs the whole context), across the KV heads of each layer (``"heads"``, needs
+        ``share_heads=False``: a layer is stored at its longest head and the padding of shorter heads is masked
+        while decoding, as kvpress's ``AdaKVPress`` masks, so it frees no memory beyond the layer's longest head),
+        or across both (``"layers_heads"``). The experiments behind them are in ``RESULTS.md`` (section R5).
+    floor : float, default 0.0
+        With ``allocate`` other than ``"even"``: every layer (or head) first keeps its ``floor`` share of the even
+        budget, its best tokens; the rest goes by score. In ``[0, 1]``.
 
     Every parameter is validated at construction; invalid values raise ``ValueError`` naming the parameter.
     """
@@ -79,6 +96,9 @@ class PhaseAwarePress(WindowedPress):
     pool_window: Optional[int] = None
     weighting: str = "mean"
     rope: str = "start"
+    allocate: str = "even"
+    floor: float = 0.0
+    _plan: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         check_choice("residual", self.residual, RESIDUALS)
@@ -88,6 +108,13 @@ class PhaseAwarePress(WindowedPress):
         check_bool("share_heads", self.share_heads)
         check_choice("weighting", self.weighting, WEIGHTINGS)
         check_choice("rope", self.rope, ROPE_MODES)
+        check_choice("allocate", self.allocate, ALLOCATIONS)
+        check_number("floor", self.floor, 0, 1, integer=False)
+        if self.allocate != "even" and self.residual != "drop":
+            raise ValueError(f"allocate={self.allocate!r} spends a raw-token budget by score, which needs "
+                             f"residual='drop' (got residual={self.residual!r})")
+        if self.allocate in ("heads", "layers_heads") and self.share_heads:
+            raise ValueError(f"allocate={self.allocate!r} gives each KV head its own tokens: set share_heads=False")
         super().validate()
 
     @property
@@ -95,11 +122,62 @@ class PhaseAwarePress(WindowedPress):
         """RoPE handling matters only where entries are pooled (``residual="pool"``)."""
         return self.residual == "pool" and self.rope != "none"
 
+    @property
+    def plans_across_layers(self) -> bool:
+        """Whether every layer's scores are needed before any layer is compressed (a budget across layers)."""
+        return self.allocate in ("layers", "layers_heads") and self.compression_ratio > 0
+
+    def plan(self, layers) -> None:
+        """Decide each layer's raw-token counts from every layer's scores (``allocate="layers"`` or
+        ``"layers_heads"``), before any layer is compressed. ``layers`` yields ``(module, hidden_states, keys,
+        values, attentions, kwargs)`` per layer, what :meth:`compress` receives; the counts are used by the next
+        :meth:`compress` of each layer, once."""
+        self._plan = {}
+        if not self.plans_across_layers:
+            return
+        units, budgets, owners = [], [], []
+        for module, hidden_states, keys, values, attentions, kwargs in layers:
+            if keys.shape[0] != 1:
+                raise ValueError(f"allocate={self.allocate!r} plans one context at a time (batch 1), got batch "
+                                 f"{keys.shape[0]}")
+            layout = self.layout_for(module, keys)
+            if layout.n_windows == 0:
+                continue
+            scores = token_scores(self.scorer, module, hidden_states, keys, values, attentions, kwargs)
+            win = scores.float()[0].gather(1, layout.window_positions()[0].flatten(1))  # (heads, window tokens)
+            units.append(win.mean(dim=0, keepdim=True) if self.allocate == "layers" else win)
+            budgets.append(layout.n_windows * layout.k)
+            owners.append((getattr(module, "layer_idx", 0), keys.shape[2]))
+        for owner, counts in zip(owners, spread_budget(units, budgets, self.floor)):
+            self._plan[owner] = counts
+
+    def raw_budget(self, module: nn.Module, scores: torch.Tensor, layout: WindowLayout):
+        """How many window tokens each row of this layer keeps raw: one count, or a ``(batch, heads)`` tensor."""
+        even = layout.n_windows * layout.k
+        if self.allocate == "even":
+            return even
+        if self.allocate == "heads":
+            win = scores.float().gather(2, layout.window_positions().flatten(2))  # (batch, heads, window tokens)
+            return torch.stack([spread_budget([row], [even], self.floor)[0] for row in win])
+        owner = (getattr(module, "layer_idx", 0), layout.seq_len)
+        if owner not in self._plan:
+            raise ValueError(
+                f"PhaseAwarePress(allocate={self.allocate!r}) spends its budget across layers, so it needs every "
+                "layer's scores before compressing any: use it on its own (pipeline(..., press=PhaseAwarePress(...)) "
+                "compresses when the prefill has finished); inside ComposedPress, PerLayerWindowedPress or "
+                "WindowedDecodingPress it cannot see the other layers"
+            )
+        counts = self._plan.pop(owner).to(scores.device)
+        if self.allocate == "layers":
+            return int(counts[0])
+        return counts[None]
+
     def compress_windows(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor,
                          scores: Optional[torch.Tensor], layout: WindowLayout) -> Compressed:
-        """The row's ``n_windows * k`` best window tokens stay raw; the others are dropped or pooled."""
+        """The row's ``n_windows * k`` best window tokens stay raw (or the counts ``allocate`` spreads); the others
+        are dropped or pooled."""
         if self.residual == "drop":
-            raw = raw_tokens(scores, layout, layout.n_windows * layout.k, share_heads=self.share_heads,
+            raw = raw_tokens(scores, layout, self.raw_budget(module, scores, layout), share_heads=self.share_heads,
                              recent=self.recent)
             return keep_only(keys, values, raw, layout)
         pool_layout, n_raw = self.pool_layout(layout)

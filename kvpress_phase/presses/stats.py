@@ -33,6 +33,10 @@ class LayerStats:
     window_ratio: Optional[float] = None
     """The per-window ratio achieved, ``1 - k / stride`` (see :func:`kvpress_phase.phase.kept_per_window`);
     ``achieved_ratio`` is over the whole cache, protected tokens included."""
+    masked: Optional[tuple] = None
+    """``(head_indices, seq_indices)`` of the stored entries that only pad a head with a smaller budget than the
+    layer's longest (``PhaseAwarePress(allocate="heads")``), masked while decoding; ``None`` when there are none.
+    ``compressed_length`` counts them (they are stored); ``achieved_ratio`` does not (they are not attended)."""
 
     @property
     def phases(self) -> Optional[torch.Tensor]:
