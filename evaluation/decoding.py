@@ -32,40 +32,56 @@ Masks = Optional[dict]
 
 
 def batched_cache(caches: list, masks: Optional[list] = None):
-    """One cache whose batch rows are ``caches`` (each of batch 1, with equal shapes per layer), in new tensors, and
-    the rows' masks.
+    """One cache whose batch rows are ``caches`` (each of batch 1, with the same layers and heads), in new tensors,
+    and the rows' masks.
 
-    Layers shorter than the longest (presses with budgets per layer, e.g. kvpress's PyramidKVPress) are padded to its
-    length with masked entries: transformers builds one attention mask for all layers from the first layer's
-    length, so a cache whose layers differ in length fails with SDPA attention (kvpress's own pipeline fails on it
-    here); masked padding makes every layer as long as the longest and changes no attention weight.
+    Every layer is as long as the longest layer of any row: shorter ones (presses with budgets per layer, e.g.
+    kvpress's PyramidKVPress or ``PhaseAwarePress(allocate="layers")``) are padded with masked entries. transformers
+    builds one attention mask for all layers from the first layer's length, so a cache whose layers differ in length
+    fails with SDPA attention unless it is padded; masked padding changes no attention weight, and rows of different
+    lengths can share a batch (:func:`cache_signature`).
     """
     masks = list(masks) if masks is not None else [None] * len(caches)
-    longest = max(layer.keys.shape[2] for layer in caches[0].layers)
+    longest = max(layer.keys.shape[2] for c in caches for layer in c.layers)
     out = copy.copy(caches[0])
     out.layers = []
     for i, layer in enumerate(caches[0].layers):
         new = copy.copy(layer)
-        keys = torch.cat([c.layers[i].keys for c in caches], dim=0)
-        values = torch.cat([c.layers[i].values for c in caches], dim=0)
-        batch, heads, n, dim = keys.shape
-        if n < longest:
-            pad = keys.new_zeros(batch, heads, longest - n, dim)
-            keys, values = torch.cat([keys, pad], dim=2), torch.cat([values, pad], dim=2)
-            _mask_padding(masks, i, heads, n, longest)
-        new.keys, new.values = keys, values
+        batch, heads, _, dim = layer.keys.shape
+        new.keys = layer.keys.new_zeros(len(caches), heads, longest, dim)
+        new.values = layer.values.new_zeros(len(caches), heads, longest, layer.values.shape[-1])
+        _fill_rows(new.keys, new.values, caches, i, masks, longest)
         out.layers.append(new)
     return out, masks
 
 
-def _mask_padding(masks: list, layer: int, heads: int, n: int, longest: int) -> None:
-    """Add the padding entries ``n..longest`` of ``layer`` (every KV head) to every row's masks, in place."""
+def _fill_rows(keys: torch.Tensor, values: torch.Tensor, caches: list, layer: int, masks: list, longest: int) -> None:
+    """Copy every row's ``layer`` into ``keys``/``values[:, :, :longest]``, zero the padding past a shorter row's
+    entries (finite, so that a zero weight gives a zero contribution) and add it to that row's masks."""
+    lengths = [c.layers[layer].keys.shape[2] for c in caches]
+    if len(set(lengths)) == 1:  # one copy for the whole batch
+        n = lengths[0]
+        torch.cat([c.layers[layer].keys for c in caches], out=keys[:, :, :n])
+        torch.cat([c.layers[layer].values for c in caches], out=values[:, :, :n])
+    else:
+        for row, c in enumerate(caches):
+            keys[row, :, :lengths[row]] = c.layers[layer].keys[0]
+            values[row, :, :lengths[row]] = c.layers[layer].values[0]
+    heads = keys.shape[1]
+    for row, n in enumerate(lengths):
+        if n < longest:
+            keys[row, :, n:longest] = 0
+            values[row, :, n:longest] = 0
+            _mask_padding(masks, row, layer, heads, n, longest)
+
+
+def _mask_padding(masks: list, row: int, layer: int, heads: int, n: int, longest: int) -> None:
+    """Add the padding entries ``n..longest`` of ``layer`` (every KV head) to ``row``'s masks, in place."""
     h = torch.arange(heads).repeat_interleave(longest - n)
     p = torch.arange(n, longest).repeat(heads)
-    for row, own in enumerate(masks):
-        own = dict(own or {})
-        own[layer] = (torch.cat([own[layer][0], h]), torch.cat([own[layer][1], p])) if layer in own else (h, p)
-        masks[row] = own
+    own = dict(masks[row] or {})
+    own[layer] = (torch.cat([own[layer][0], h]), torch.cat([own[layer][1], p])) if layer in own else (h, p)
+    masks[row] = own
 
 
 def uneven(cache) -> bool:
@@ -74,7 +90,12 @@ def uneven(cache) -> bool:
 
 
 def cache_signature(cache) -> tuple:
-    """Caches with equal signatures can share a batch: the shape of every layer's keys and values."""
+    """Caches with equal signatures can share a batch: the shape of every layer's keys and values, except that
+    caches whose layers differ in length are padded anyway (:func:`batched_cache`), so they share one signature
+    per layer count, heads and head sizes whatever their lengths."""
+    if uneven(cache):
+        return ("uneven",) + tuple((layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3])
+                                   for layer in cache.layers)
     return tuple((tuple(layer.keys.shape), tuple(layer.values.shape)) for layer in cache.layers)
 
 
@@ -298,23 +319,18 @@ class FilledLayer(DynamicLayer):
 
 
 def filled_cache(caches: list, masks: Optional[list], room: int):
-    """One cache of :class:`FilledLayer` whose batch rows are ``caches`` (batch 1 each, equal shapes per layer), with
-    ``room`` free entries per layer, and the rows' masks. Layers shorter than the longest are padded with masked
-    entries, as in :func:`batched_cache`."""
+    """One cache of :class:`FilledLayer` whose batch rows are ``caches`` (batch 1 each, the same layers and heads),
+    with ``room`` free entries per layer, and the rows' masks. Layers shorter than the longest of any row are padded
+    with masked entries, as in :func:`batched_cache`."""
     masks = list(masks) if masks is not None else [None] * len(caches)
-    longest = max(layer.keys.shape[2] for layer in caches[0].layers)
+    longest = max(layer.keys.shape[2] for c in caches for layer in c.layers)
     out = copy.copy(caches[0])
     out.layers = []
     for i, layer in enumerate(caches[0].layers):
         batch, heads, n, dim = layer.keys.shape
         keys = layer.keys.new_empty(len(caches), heads, longest + room, dim)
         values = layer.values.new_empty(len(caches), heads, longest + room, layer.values.shape[-1])
-        torch.cat([c.layers[i].keys for c in caches], out=keys[:, :, :n])
-        torch.cat([c.layers[i].values for c in caches], out=values[:, :, :n])
-        keys[:, :, n:longest] = 0  # masked padding: finite, so that a zero weight gives a zero contribution
-        values[:, :, n:longest] = 0  # (the room past it is written before anything attends to it)
-        if n < longest:
-            _mask_padding(masks, i, heads, n, longest)
+        _fill_rows(keys, values, caches, i, masks, longest)  # (the room past it is written before it is read)
         out.layers.append(FilledLayer(keys, values, longest))
     return out, masks
 

@@ -226,7 +226,9 @@ def test_fast_decoding_equals_step_by_step(model, word_tokenizer, row, draft):
     encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
     state = engine.prefill(encoded["context_ids"])
     q = encoded["questions_ids"][0]
-    presses = [None, KVzipPress(0.5), KVzipPress(0.25), KnormPress(0.5), KnormPress(0.75), PyramidKVPress(0.5)]
+    presses = [None, KVzipPress(0.5), KVzipPress(0.25), KnormPress(0.5), KnormPress(0.75), PyramidKVPress(0.5),
+               PyramidKVPress(0.75), PhaseAwarePress(0.75, allocate="layers"),
+               PhaseAwarePress(0.5, allocate="layers_heads", share_heads=False)]
     caches = [engine.compressed_cache(state, p) for p in presses]
     masks = [engine.masks(state, p) for p in presses]
     reference = []
@@ -235,7 +237,9 @@ def test_fast_decoding_equals_step_by_step(model, word_tokenizer, row, draft):
     own = reference[0]
     drafts = {"none": None, "own": own, "wrong_first": [own[0] + 1] + own[1:], "too_long": own + own + own,
               "wrong_late": own[:2] + [own[2] + 1] + own[3:] if len(own) > 3 else own[:-1] + [own[-1] + 1]}
-    for rows in ([0, 1, 2], [2, 0, 1, 1], [3], [4, 4], [5]):  # batches of equal shapes: masked, padded, plain
+    # batches of equal shapes (masked, padded, plain), and of layers of different lengths in every row
+    assert len({tuple(layer.keys.shape[2] for layer in caches[i].layers) for i in (5, 6, 7, 8)}) == 4
+    for rows in ([0, 1, 2], [2, 0, 1, 1], [3], [4, 4], [5], [5, 6, 7, 8], [8, 7]):
         fast = decode_tokens(model, [caches[i] for i in rows], q, state.context_length, 8,
                              masks=[masks[i] for i in rows], draft=drafts[draft])
         assert fast == [reference[i] for i in rows]
