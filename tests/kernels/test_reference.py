@@ -74,6 +74,9 @@ def test_keep_and_pool_over_many_blocks_of_windows_matches_head_by_head():
         alone = naive.keep_and_pool(keys[:, h : h + 1], values[:, h : h + 1], raw[:, h : h + 1], one, rope="start",
                                     inv_freq=inv_freq)
         for got, ref in zip(whole, alone):
+            if got is None or ref is None:  # Compressed.masked: no padding from these kernels
+                assert got is None and ref is None
+                continue
             torch.testing.assert_close(got[:, h : h + 1], ref, rtol=1e-5, atol=1e-5)
 
 
