@@ -114,6 +114,14 @@ class LayerMasks:
         self.cache = cache
         self.masks = masks
         self._hooks = []
+        self._blocked: dict = {}  # layer -> (batch, kv_heads, n) bool: the masked entries, built once per layer
+
+    def select(self, rows: list, cache) -> None:
+        """Keep only the batch ``rows`` (after :func:`_select` made ``cache`` of them)."""
+        self.cache = cache
+        self.masks = [self.masks[i] for i in rows]
+        index = torch.tensor(rows)
+        self._blocked = {layer: b[index.to(b.device)] for layer, b in self._blocked.items()}
 
     def __enter__(self):
         for layer in self.model.model.layers:
@@ -132,11 +140,16 @@ class LayerMasks:
         q = hidden.shape[1]
         past = self.cache.layers[layer_idx].keys.shape[2]
         batch, kv_heads = self.cache.layers[layer_idx].keys.shape[:2]
+        blocked = self._blocked.get(layer_idx)
+        if blocked is None or blocked.shape[-1] > past:  # masked entries are all before the first step's end
+            blocked = torch.zeros(batch, kv_heads, past, dtype=torch.bool, device=hidden.device)
+            for row, own in enumerate(self.masks):
+                if own is not None and layer_idx in own:
+                    heads, positions = own[layer_idx]
+                    blocked[row, heads.to(blocked.device), positions.to(blocked.device)] = True
+            self._blocked[layer_idx] = blocked
         allowed = torch.ones(batch, kv_heads, past + q, dtype=torch.bool, device=hidden.device)
-        for row, own in enumerate(self.masks):
-            if own is not None and layer_idx in own:
-                heads, positions = own[layer_idx]
-                allowed[row, heads.to(allowed.device), positions.to(allowed.device)] = False
+        allowed[..., : blocked.shape[-1]] = ~blocked
         groups = module.config.num_attention_heads // kv_heads
         mask = allowed.repeat_interleave(groups, dim=1)[:, :, None, :].expand(-1, -1, q, -1).clone()
         causal = torch.ones(q, q, dtype=torch.bool, device=hidden.device).tril()
@@ -222,8 +235,9 @@ def _continue(model, cache, masks, rows, new, position, out, max_new_tokens, sto
     """Decode on from the last token of each row (``new``) at ``position``, one token per forward, appending to
     ``out[rows[i]]``; finished rows leave the batch."""
     rows = list(rows)
+    masker = _masked(model, cache, masks)  # one mask per layer for the whole answer, cut as rows leave
     while rows:
-        with _masked(model, cache, masks):
+        with masker:
             logits = model(input_ids=new[:, None], past_key_values=cache,
                            position_ids=torch.tensor([[position]], device=new.device)).logits
         position += 1
@@ -238,6 +252,8 @@ def _continue(model, cache, masks, rows, new, position, out, max_new_tokens, sto
                 return
             cache = _select(cache, going)
             masks = [masks[i] for i in going]
+            if isinstance(masker, LayerMasks):
+                masker.select(going, cache)
             rows = [rows[i] for i in going]
             new = new[going]
 
