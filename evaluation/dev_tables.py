@@ -1,6 +1,7 @@
 """The budget dev round's tables and its pre-registered decision (docs/preregistration-budgets.md).
 
     python -m kvpress_phase.evaluation.dev_tables RUN [RUN ...] [--reference phase_aware] [--against kvzip]
+        [--exclude SPEC,...]
 
 Reads ``kvpress-phase eval`` output directories of the dev round (both settings, any split of the presses between
 directories; a cell answered in two directories is taken from the first) and prints Markdown:
@@ -27,6 +28,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from .presses import parse_press_spec
 from .targets import fmt_number, fmt_p, load
 
 CELL = ["setting", "task", "compression_ratio"]
@@ -137,7 +139,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--reference", default="phase_aware", help="the frozen default (default: phase_aware)")
     parser.add_argument("--against", default="kvzip", help="the press every other is paired with (default: kvzip)")
     parser.add_argument("--candidates", default=None, help="comma-separated candidate specs (default: every press "
-                        "but the baselines and the reference)")
+                        "but the baselines, the reference and --exclude)")
+    parser.add_argument("--exclude", default="", help="comma-separated press specs shown but not candidates (a "
+                        "descriptive run, a press above the cost cap)")
     args = parser.parse_args(argv)
     try:
         table = summaries(args.runs)
@@ -145,7 +149,13 @@ def main(argv: Optional[list] = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    candidates = args.candidates.split(",") if args.candidates else None
+    try:
+        excluded = {parse_press_spec(text).label for text in args.exclude.split(",") if text}
+        candidates = [parse_press_spec(text).label for text in args.candidates.split(",")] if args.candidates else \
+            [p for p in table.press.unique() if p not in NOT_CANDIDATES and p != args.reference and p not in excluded]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     chosen, why = decide(table, args.reference, candidates)
     print(accuracy_markdown(table))
     print(paired_markdown(paired(records, args.against), args.against))
