@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from .metrics import boundary_test, phase_matrix, summarize
-from .presses import REGISTRY
+from .presses import REGISTRY, parse_press_spec
 from .store import read_results
 
 CELL = ["setting", "task", "context_length", "stride", "compression_ratio"]
@@ -154,10 +154,26 @@ def main(argv: Optional[list] = None) -> int:
     except ValueError as exc:
         print(f"targets: error: {exc}", file=sys.stderr)
         return 2
+    try:  # specs as the results name them (``share_heads=false`` is stored as ``share_heads=False``)
+        press, reference = parse_press_spec(args.press).label, parse_press_spec(args.reference).label
+        baselines = [parse_press_spec(b).label for b in args.baselines.split(",") if b]
+    except ValueError as exc:
+        print(f"targets: error: {exc}", file=sys.stderr)
+        return 2
+    answered = set(results.press)
+    for role, name in (("--press", press), ("--reference", reference)):
+        if name not in answered:
+            print(f"targets: error: {role} {name!r} has no answers in these runs; presses answered: "
+                  f"{', '.join(sorted(answered))}", file=sys.stderr)
+            return 2
     records = pd.DataFrame(summarize(results, n_resamples=1000))
-    baselines = [b for b in args.baselines.split(",") if b and getattr(REGISTRY.get(b.split(":")[0]), "matched", False)]
-    table = targets(records, args.press, args.reference, baselines)
-    text = "\n".join([targets_markdown(table, args.press, args.reference), science(results, records),
+    baselines = [b for b in baselines if getattr(REGISTRY.get(b.split(":")[0]), "matched", False)]
+    table = targets(records, press, reference, baselines)
+    if table.empty:
+        print(f"targets: error: no compressed cell has answers of both {press!r} and {reference!r} (--reference is a "
+              "compressing press answered in the same cells, such as chunked_stride)", file=sys.stderr)
+        return 2
+    text = "\n".join([targets_markdown(table, press, reference), science(results, records),
                       depth_markdown(records)])
     print(text)
     if args.output:

@@ -1,0 +1,45 @@
+"""The targets tables' command line: press specs are read as the results name them, and a press the runs did not
+answer is refused with the presses they did answer (exit code 2), not a traceback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvpress_phase.evaluation.targets import main
+
+EXTRAS = os.path.join(os.path.dirname(__file__), "..", "..", "outputs", "budgets-dev", "agnostic-extras")
+HEADS = "phase_aware:allocate=heads:share_heads=false:recent=0.1"
+
+
+@pytest.fixture(scope="module")
+def run_dir():
+    if not os.path.isdir(os.path.join(EXTRAS, "results")):
+        pytest.skip("the committed dev run is not in this checkout")
+    return EXTRAS
+
+
+def test_a_press_not_in_the_runs_is_named_with_those_that_are(run_dir, capsys):
+    assert main([run_dir, "--press", "phase_aware:share_heads=false"]) == 2
+    err = capsys.readouterr().err
+    assert "'phase_aware:share_heads=False' has no answers" in err and "no_press" in err
+
+
+def test_a_reference_without_compressed_cells_is_refused(run_dir, capsys):
+    # the spec is written as a user types it (share_heads=false), stored as share_heads=False: it is found
+    assert main([run_dir, "--press", HEADS, "--reference", "no_press"]) == 2
+    assert "no compressed cell has answers of both" in capsys.readouterr().err
+
+
+def test_an_unknown_press_spec_is_a_usage_error(run_dir, capsys):
+    assert main([run_dir, "--press", "phase_awre"]) == 2
+    assert "unknown press 'phase_awre'" in capsys.readouterr().err
+
+
+def test_the_tables_name_the_press_as_the_results_do(run_dir, capsys):
+    assert main([run_dir, "--press", HEADS, "--reference",
+                 "phase_aware:allocate=heads:share_heads=false:recent=0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "| task | tokens | S | ratio |" in out and "share_heads=False:recent=0.1" in out
+    assert "T3 met in" in out
