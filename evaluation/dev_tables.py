@@ -71,10 +71,13 @@ def accuracy_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def paired(records: pd.DataFrame, against: str) -> pd.DataFrame:
-    """Per press, setting and ratio, pooled over tasks: mean paired difference to ``against`` and its 95% t CI."""
+def paired(records: pd.DataFrame, against: str, by: tuple = ("setting", "compression_ratio")) -> pd.DataFrame:
+    """Per press and group ``by`` (setting and ratio), pooled over tasks: mean paired difference to ``against`` and
+    its 95% t CI. A sample's value is its mean over every answer of the group (phases, and strides where the runs
+    have several); ``by`` may add ``context_length`` for runs of several lengths."""
     compressed = records[records.compression_ratio > 0]
-    per_sample = compressed.groupby(CELL + ["sample_id", "press"])["score"].mean().unstack("press")
+    groups = list(by) + ["task", "sample_id", "press"]
+    per_sample = compressed.groupby(groups)["score"].mean().unstack("press")
     if against not in per_sample:
         raise ValueError(f"no answers of {against!r} in these runs")
     rows = []
@@ -82,19 +85,24 @@ def paired(records: pd.DataFrame, against: str) -> pd.DataFrame:
         if press == against:
             continue
         diff = (per_sample[press] - per_sample[against]).dropna()
-        for (setting, ratio), d in diff.groupby(level=["setting", "compression_ratio"]):
+        for key, d in diff.groupby(level=list(by)):
             n = len(d)
             se = d.std(ddof=1) / np.sqrt(n) if n > 1 else float("nan")
             half = stats.t.ppf(0.975, n - 1) * se if n > 1 else float("nan")
-            rows.append({"press": press, "setting": setting, "ratio": ratio, "n": n, "diff": d.mean(),
-                         "low": d.mean() - half, "high": d.mean() + half})
+            group = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+            rows.append({"press": press, "setting": group.pop("setting"), "ratio": group.pop("compression_ratio"),
+                         **group, "n": n, "diff": d.mean(), "low": d.mean() - half, "high": d.mean() + half})
     return pd.DataFrame(rows)
 
 
 def paired_markdown(table: pd.DataFrame, against: str) -> str:
-    lines = [f"| press | setting | ratio | samples | mean difference to `{against}` [95% CI] |", "|---|---|---|---|---|"]
+    tokens = "context_length" in table
+    lines = [f"| press | setting |{' tokens |' if tokens else ''} ratio | samples | mean difference to `{against}` "
+             "[95% CI] |", "|---|---|---|---|---|" + ("---|" if tokens else "")]
     for r in table.itertuples():
-        lines.append(f"| `{r.press}` | {r.setting} | {r.ratio:g} | {r.n} | {r.diff:+.3f} [{r.low:+.3f}, {r.high:+.3f}] |")
+        length = f" {r.context_length} |" if tokens else ""
+        lines.append(f"| `{r.press}` | {r.setting} |{length} {r.ratio:g} | {r.n} | {r.diff:+.3f} [{r.low:+.3f}, "
+                     f"{r.high:+.3f}] |")
     return "\n".join(lines)
 
 

@@ -140,6 +140,27 @@ def depth_markdown(records: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def against_markdown(records: pd.DataFrame, results: pd.DataFrame, press: str, against: str) -> str:
+    """``press`` against one press (``--against``, e.g. KVzip): its mean, the other's and the difference per cell, and
+    the difference paired by sample per setting, length and ratio (the two tasks pooled; a sample's value is its mean
+    over the strides and phases), with a 95% t interval (:func:`~.dev_tables.paired`)."""
+    from .dev_tables import paired, paired_markdown
+
+    lines = [f"### {press} against {against}", "", f"| setting | task | tokens | S | ratio | {press} | {against} | "
+             "difference |", "|---|---|---|---|---|---|---|---|"]
+    means = records[records.compression_ratio > 0].set_index(CELL + ["press"])["mean"]
+    for key, cell in means.groupby(level=CELL):
+        by = cell.droplevel(CELL)
+        if press in by and against in by:
+            setting, task, length, stride, ratio = key
+            lines.append(f"| {setting} | {task} | {length} | {stride} | {ratio:g} | {by[press]:.2f} | "
+                         f"{by[against]:.2f} | {by[press] - by[against]:+.2f} |")
+    table = paired(results, against,
+                   by=("setting", "context_length", "compression_ratio"))
+    lines += ["", paired_markdown(table[table.press == press], against), ""]
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+")
@@ -147,6 +168,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--reference", default="chunked_stride")
     parser.add_argument("--baselines", default="snapkv,knorm,streaming_llm,chunkkv,chunk,expected_attention,tova,"
                                                "keydiff,pyramidkv,kvzip")
+    parser.add_argument("--against", help="also compare --press with this press cell by cell and paired by sample "
+                        "(e.g. kvzip)")
     parser.add_argument("--output", help="write the Markdown here as well as to stdout")
     args = parser.parse_args(argv)
     try:
@@ -156,12 +179,15 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     try:  # specs as the results name them (``share_heads=false`` is stored as ``share_heads=False``)
         press, reference = parse_press_spec(args.press).label, parse_press_spec(args.reference).label
+        against = parse_press_spec(args.against).label if args.against else None
         baselines = [parse_press_spec(b).label for b in args.baselines.split(",") if b]
     except ValueError as exc:
         print(f"targets: error: {exc}", file=sys.stderr)
         return 2
     answered = set(results.press)
-    for role, name in (("--press", press), ("--reference", reference)):
+    for role, name in (("--press", press), ("--reference", reference), ("--against", against)):
+        if name is None:
+            continue
         if name not in answered:
             print(f"targets: error: {role} {name!r} has no answers in these runs; presses answered: "
                   f"{', '.join(sorted(answered))}", file=sys.stderr)
@@ -173,8 +199,10 @@ def main(argv: Optional[list] = None) -> int:
         print(f"targets: error: no compressed cell has answers of both {press!r} and {reference!r} (--reference is a "
               "compressing press answered in the same cells, such as chunked_stride)", file=sys.stderr)
         return 2
-    text = "\n".join([targets_markdown(table, press, reference), science(results, records),
-                      depth_markdown(records)])
+    parts = [targets_markdown(table, press, reference)]
+    if against:
+        parts.append(against_markdown(records, results, press, against))
+    text = "\n".join(parts + [science(results, records), depth_markdown(records)])
     print(text)
     if args.output:
         with open(args.output, "w") as fh:

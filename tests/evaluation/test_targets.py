@@ -43,3 +43,15 @@ def test_the_tables_name_the_press_as_the_results_do(run_dir, capsys):
     out = capsys.readouterr().out
     assert "| task | tokens | S | ratio |" in out and "share_heads=False:recent=0.1" in out
     assert "T3 met in" in out
+
+
+def test_against_compares_cell_by_cell_and_paired(run_dir, capsys):
+    assert main([run_dir, "--press", HEADS, "--reference", "phase_aware:allocate=heads:share_heads=false:recent=0.25",
+                 "--against", "phase_aware:scorer=kvzip:allocate=heads:share_heads=false"]) == 0
+    out = capsys.readouterr().out
+    assert "against phase_aware:scorer=kvzip:allocate=heads:share_heads=False" in out
+    assert "| query_agnostic | niah_single | 1024 | 8 | 0.75 |" in out
+    assert "mean difference to `phase_aware:scorer=kvzip:allocate=heads:share_heads=False`" in out
+    assert main([run_dir, "--press", HEADS, "--reference", "phase_aware:allocate=heads:share_heads=false:recent=0.25",
+                 "--against", "kvzip"]) == 2  # not answered in this run
+    assert "--against 'kvzip' has no answers" in capsys.readouterr().err
