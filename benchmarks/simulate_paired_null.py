@@ -3,7 +3,7 @@
 Per sample a latent accuracy u ~ Beta(a, b); our press answers eight phases ~ Binomial(8, u) / 8, KVzip one answer
 ~ Bernoulli(u), so the true mean difference is 0. Prints the false-positive rate per sample count and Beta shape.
 
-    python benchmarks/simulate_paired_null.py --runs 4000
+    python benchmarks/simulate_paired_null.py --runs 4000 [--samples 96,48]
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from scipy import stats
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=4000)
+    parser.add_argument("--samples", default="96,48", help="comma-separated sample counts (default 96,48: the dev "
+                        "round; the fresh split's pooled rows have 32)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    for n in (96, 48):
+    for n in (int(x) for x in args.samples.split(",")):
         for a, b in ((0.5, 0.5), (5, 1), (1, 5), (0.2, 0.2)):
             fired = 0
             for _ in range(args.runs):
