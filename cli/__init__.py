@@ -9,7 +9,8 @@ Bad input exits with code 2 and a one-line message; `train --max-minutes` exits 
 (rerun the same command to resume).
 
 This package only composes the commands: ``eval``, ``audit``, ``report`` and ``list`` are evaluation's
-(:mod:`kvpress_phase.evaluation.cli`), ``train`` is training's (:mod:`kvpress_phase.training.cli`). Nothing in
+(:mod:`kvpress_phase.evaluation.cli`), ``train`` and ``train-scorer`` are training's
+(:mod:`kvpress_phase.training.cli`, :mod:`kvpress_phase.training.scorer_cli`). Nothing in
 the package imports it, so that evaluation stays below training (``tests/test_import_layers.py``).
 """
 
@@ -23,13 +24,14 @@ from kvpress_phase.evaluation.arguments import Parser, run_command_line
 
 DESCRIPTION = evaluation_cli.DESCRIPTION
 EXAMPLES = """examples:
-  kvpress-phase eval      quick phase sweep on the built-in model (about a minute on 2 CPU cores)
+  kvpress-phase eval      quick phase sweep on the built-in model
   kvpress-phase eval --tasks niah_single,qa_single_doc --strides 4,8,16 --compression-ratios 0.5,0.75 \\
       --output-dir outputs/sweep
   kvpress-phase audit chunkkv,chunk:scorer=keydiff --model smollm2 --output-dir outputs/audit
   kvpress-phase report outputs/sweep outputs/phase-eval --output-dir outputs/merged
   kvpress-phase list      task, press and model names the flags accept
   kvpress-phase train --recipe chunked --output-dir outputs/models/chunked
+  kvpress-phase train-scorer --model smollm2 --output-dir outputs/scorers/smollm2
 
 Run kvpress-phase COMMAND --help for the options of a command. Bad input exits with code 2 and a one-line
 message; train --max-minutes exits with code 3 when it pauses (rerun the same command to resume)."""
@@ -38,13 +40,16 @@ message; train --max-minutes exits with code 3 when it pauses (rerun the same co
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``kvpress-phase``: evaluation's commands, then ``train``."""
     from kvpress_phase.training import cli as training_cli  # imported when the parser is built, as before
+    from kvpress_phase.training import scorer_cli
 
     parser = Parser(prog="kvpress-phase", description=DESCRIPTION, epilog=EXAMPLES,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{eval,audit,report,list,train}", parser_class=Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{eval,audit,report,list,train,train-scorer}",
+                                parser_class=Parser)
     sub.required = True
     evaluation_cli.add_commands(sub)
     training_cli.add_command(sub)
+    scorer_cli.add_command(sub)
     return parser
 
 
@@ -56,6 +61,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from kvpress_phase.training import cli as training_cli
 
             return training_cli.run_command(args, argv)
+        if args.command == "train-scorer":
+            from kvpress_phase.training import scorer_cli
+
+            return scorer_cli.run_command(args, argv)
         return evaluation_cli.run_command(args)
 
     return run_command_line(build_parser(), run, argv)

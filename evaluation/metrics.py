@@ -5,7 +5,8 @@ Input is a table of per-example results (one row per example x press variant x p
 ``task``, ``press``, ``compression_ratio``, ``stride``, ``protocol``, ``phase``, ``sample_id`` and ``score``
 (1.0 correct, 0.0 wrong, fractions allowed). Every base sample is placed at every phase, so the results of one
 group form an ``(n_samples, stride)`` matrix whose rows share a prompt: the design is **paired**, and every
-statistic here uses that. One summary record comes out per task x context length x press x compression ratio x stride x protocol:
+statistic here uses that. One summary record comes out per task x context length x press x compression ratio x stride x
+protocol (and per model and per seed when the table holds several, :func:`group_keys`):
 
 - ``per_phase``: mean score at every phase ``0 .. stride-1`` (``None`` where a phase was not run), and
   ``per_phase_ci``: its 95% interval (Wilson score interval for 0/1 scores, percentile bootstrap over samples
@@ -345,13 +346,23 @@ def _attention_per_phase(df: pd.DataFrame, stride: int):
     return [None if math.isnan(x) else float(x) for x in means]
 
 
+def group_keys(results: pd.DataFrame) -> list[str]:
+    """The columns :func:`summarize` groups ``results`` by: :data:`GROUP_KEYS` present, after ``model`` when the table
+    has one (runs merged by ``kvpress-phase report``: models are never pooled) and ``seed`` when it holds more than
+    one seed (a sample's ``sample_id`` is its index within its seed, so seeds are summarised apart too)."""
+    keys = ["model"] if "model" in results else []
+    keys += ["seed"] if "seed" in results and results["seed"].nunique() > 1 else []
+    return keys + [k for k in GROUP_KEYS if k in results]
+
+
 def summarize(results: pd.DataFrame, *, n_resamples: int = 2000, seed: int = 0, **kwargs) -> list[dict]:
-    """One summary record per task x context length x press x compression ratio x stride x protocol.
+    """One summary record per task x context length x press x compression ratio x stride x protocol, and per model
+    and per seed where the table holds several (see :func:`group_keys`).
 
     Extra keyword arguments (``n_permutations``, ``n_splits``, ``confidence``) go to :func:`summarize_group`.
     Tables without a ``context_length`` column are grouped without it.
     """
-    keys = [k for k in GROUP_KEYS if k in results]
+    keys = group_keys(results)
     records = []
     for key, group in results.groupby(keys, sort=True, dropna=False):
         record = dict(zip(keys, key))
@@ -359,6 +370,10 @@ def summarize(results: pd.DataFrame, *, n_resamples: int = 2000, seed: int = 0, 
         record["stride"] = int(record["stride"])
         if "context_length" in record:
             record["context_length"] = int(record["context_length"])
+        if "seed" in record:
+            record["seed"] = None if pd.isna(record["seed"]) else int(record["seed"])
+        if "model" in record:
+            record["model"] = str(record["model"])
         record.update(summarize_group(group, record["stride"], n_resamples=n_resamples, seed=seed, **kwargs))
         records.append(record)
     return records

@@ -1,8 +1,9 @@
 """Presses by name: one registry entry per press, ours and kvpress's baselines.
 
-A press spec is a registered name, optionally followed by ``:key=value`` settings: any field of our presses
-(``chunked_stride:mode=pool``, ``phase_aware:residual=pool``), or ``scorer=NAME`` for kvpress's chunk wrappers
-(``chunk:scorer=keydiff``). Values are parsed as ints, floats, ``true``/``false`` or strings.
+A press spec is a registered name, optionally followed by ``:key=value`` settings: any field of our presses but
+those the run sets (``chunked_stride:mode=pool``, ``phase_aware:residual=pool``; :func:`press_settings`), or
+``scorer=NAME`` for kvpress's chunk wrappers (``chunk:scorer=keydiff``). Values are parsed as ints, floats,
+``true``/``false`` or strings; an unknown key is refused with the press's settings.
 
 Everything the evaluation knows about a press is its :class:`PressEntry` in :data:`REGISTRY`: its description (the
 CLI's ``list``), its factory, what its scores read (the prefill records only that; the question, when it is
@@ -65,6 +66,38 @@ class PressEntry:
     """``--matched-cache`` runs it at the ratio that gives ``ChunkedStridePress``'s cache length."""
     default_scorer: Optional[str] = None
     """The scorer a chunk wrapper wraps unless ``scorer=`` names another."""
+    setting_names: Optional[Callable[[dict], tuple]] = None
+    """``setting_names(settings)``: the keys a ``"fields"`` press's spec may set, given the spec's settings (see
+    :func:`press_settings`)."""
+
+
+RUN_SETTINGS = {"compression_ratio": "--compression-ratios", "stride": "--strides",
+                "offset": "--protocol (the grid offset)", "window": "--windows"}
+"""Fields of our presses that the run sets (from the flag named), never a press spec; ``window`` is a setting of the
+presses whose factory takes one from the spec (:func:`press_settings`)."""
+
+
+def _fields(class_name: str, *extra: str, window: bool = False):
+    """``setting_names`` of a press built from ``class_name``'s fields: its init fields but the run's
+    (:data:`RUN_SETTINGS`; ``window`` too unless ``window``), and the factory's ``extra`` keys."""
+    def names(options: dict) -> tuple:
+        import dataclasses
+
+        import kvpress_phase
+
+        run = set(RUN_SETTINGS) - ({"window"} if window else set())
+        own = [f.name for f in dataclasses.fields(getattr(kvpress_phase, class_name))
+               if f.init and not f.name.startswith("_") and f.name not in run]
+        return tuple(dict.fromkeys(own + list(extra)))
+    return names
+
+
+def _phase_aware_settings(options: dict) -> tuple:
+    """``phase_aware``'s settings: ``StaggeredWindowPress``'s under ``budget=window``/``window_topk``, else
+    ``PhaseAwarePress``'s with ``budget``, ``window`` and the ignored :data:`LEGACY_ROW_OPTIONS`."""
+    if options.get("budget") in ("window", "window_topk"):
+        return _fields("StaggeredWindowPress", window=True)(options)
+    return _fields("PhaseAwarePress", "budget", "window", *LEGACY_ROW_OPTIONS)(options)
 
 
 def _chunked_stride(options: dict, a: BuildArgs):
@@ -135,13 +168,14 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
     PressEntry("no_press", "no compression (the uncompressed control)", lambda options, a: None),
     PressEntry("chunked_stride", "ChunkedStridePress: fixed windows every stride tokens, each keeps its k best tokens "
                "by KeyDiff score (:mode=pool merges them into k entries)", _chunked_stride,
-               settings="fields", grid_offset=True),
+               settings="fields", grid_offset=True, setting_names=_fields("ChunkedStridePress")),
     PressEntry("phase_aware", "PhaseAwarePress: the same cache length, the row's best tokens by KeyDiff score "
                "wherever they are (no fixed budget per window)", _phase_aware,
-               settings="fields", grid_offset=True),
+               settings="fields", grid_offset=True, setting_names=_phase_aware_settings),
     PressEntry("staggered_window", "StaggeredWindowPress: a fixed budget per window on grids staggered per head, "
                "aligned to the scores or overlapping (the studies' ablations; phase_aware:budget=window)",
-               _staggered_window, settings="fields", grid_offset=True),
+               _staggered_window, settings="fields", grid_offset=True,
+               setting_names=_fields("StaggeredWindowPress", window=True)),
     PressEntry("snapkv", "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
                _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True),
     PressEntry("knorm", "kvpress KnormPress (key norm)", _kvpress("KnormPress"), matched=True),
@@ -203,6 +237,25 @@ def reads_question(spec: PressSpec) -> bool:
     return QUESTION in entry.reads
 
 
+def query_aware_warning(presses) -> Optional[str]:
+    """What ``--query-aware`` does not change for the press specs ``presses`` (texts or :class:`PressSpec`): the
+    compressing presses whose scores never read the question (:func:`reads_question`), or that none of them does;
+    None when every one reads it (or nothing is compressed)."""
+    specs = [parse_press_spec(p) if isinstance(p, str) else p for p in presses]
+    blind = [s.label for s in specs if s.name != "no_press" and not reads_question(s)]
+    if not blind:
+        return None
+    compressing = [s for s in specs if s.name != "no_press"]
+    if len(blind) == len(compressing):
+        what, whose = "none of the presses reads", "no press's choice of entries depends on it"
+    elif len(blind) == 1:
+        what, whose = f"{blind[0]} does not read", "its choice of entries ignores it"
+    else:
+        what, whose = f"{', '.join(blind)} do not read", "their choice of entries ignores it"
+    return (f"--query-aware: {what} the question (Q in `kvpress-phase list`): the question is compressed with the "
+            f"context, but {whose}")
+
+
 def prefill_reads(spec: PressSpec) -> frozenset:
     """The optional compress inputs the press ``spec`` reads (:data:`HIDDEN_STATES`, :data:`ATTENTIONS`), which the
     replayed prefill must record: its entry's, or for a press that takes a scorer (ours, kvpress's chunk wrappers),
@@ -216,6 +269,39 @@ def prefill_reads(spec: PressSpec) -> frozenset:
     if entry.settings == "scorer":
         reads = reads | {ATTENTIONS}
     return reads - {QUESTION}
+
+
+def press_settings(name: str, options: Optional[dict] = None) -> tuple:
+    """The keys a spec of the press ``name`` may set, given its other ``options``: ``scorer`` for kvpress's chunk
+    wrappers, none for kvpress's other presses, and for ours their fields but those the run sets
+    (:data:`RUN_SETTINGS`)."""
+    entry = REGISTRY[name]
+    if entry.settings == "scorer":
+        return ("scorer",)
+    if entry.settings == "none" or entry.setting_names is None:
+        return ()
+    return entry.setting_names(dict(options or {}))
+
+
+def _check_setting_names(name: str, options: list, text: str) -> None:
+    """ValueError naming a key of ``options`` that the press ``name`` does not take, with its settings."""
+    import difflib
+
+    valid = press_settings(name, dict(options))
+    listed = f"{name}'s settings: {', '.join(valid)}"
+    for key, _ in options:
+        if key in valid:
+            continue
+        if key in RUN_SETTINGS:
+            raise ValueError(f"press setting {key!r} in {text!r} is set by {RUN_SETTINGS[key]}, not in the press "
+                             f"spec; {listed}")
+        close = difflib.get_close_matches(key, list(valid) + [k for k in RUN_SETTINGS if k not in valid], n=1)
+        hint = ""
+        if close and close[0] in valid:
+            hint = f" (did you mean {close[0]}?)"
+        elif close:
+            hint = f" (did you mean {close[0]}? it is set by {RUN_SETTINGS[close[0]]})"
+        raise ValueError(f"press {name!r} has no setting {key!r}{hint}; {listed}")
 
 
 def _parse_value(text: str):
@@ -253,6 +339,8 @@ def parse_press_spec(text: str) -> PressSpec:
                 "short answers without press hooks, so decoding compression would not apply"
             )
         options.append((key, _parse_value(value)))
+    if entry.settings == "fields":
+        _check_setting_names(name, options, text)
     spec = PressSpec(name, tuple(options))
     build_press(spec, 0.5, 8, None, 0)  # validate the settings now, not mid-run
     return spec
@@ -261,8 +349,11 @@ def parse_press_spec(text: str) -> PressSpec:
 def matched_ratio(context_length: int, stride: int, compression_ratio: float) -> float:
     """The compression ratio at which a kvpress scorer press keeps exactly as many entries as
     ``ChunkedStridePress(compression_ratio, stride=stride)`` (default ``n_sink`` and ``n_local``) does for
-    ``context_length`` tokens. kvpress keeps ``int(n * (1 - ratio))`` entries (whole chunks of it for ChunkKV); the
-    half entry keeps ``int`` exact against rounding."""
+    ``context_length`` tokens. kvpress keeps ``int(n * (1 - ratio))`` entries; the half entry keeps ``int`` exact
+    against rounding. The chunk wrappers round per chunk of ``stride`` tokens at this ratio, so they keep fewer and
+    no ratio need match: ``ChunkPress`` keeps ``int(stride * (1 - ratio))`` entries of every chunk (up to one entry
+    per chunk fewer: 768 against 779 at 1,024 tokens, stride 20, ratio 0.25, where its counts jump from 768 to 819),
+    ``ChunkKVPress`` whole chunks; the runner records the entries each answer had (``cache_length``)."""
     from kvpress_phase import ChunkedStridePress
     from kvpress_phase.phase import compressed_length
 

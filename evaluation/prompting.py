@@ -53,6 +53,13 @@ def check_tokenizer(tokenizer) -> None:
         )
 
 
+def context_limit(tokenizer):
+    """The most prefill tokens kvpress's pipeline keeps with ``tokenizer``: its ``model_max_length`` (the pipeline
+    cuts a longer prefill there); None when the tokenizer sets none (transformers' placeholder, about 1e30)."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    return int(limit) if isinstance(limit, int) and 0 < limit < int(1e10) else None
+
+
 def prefill_layout(tokenizer, context: str, enable_thinking: bool = False) -> tuple[str, int, str]:
     """Return ``(prefill_text, context_char_start, question_suffix)`` as the pipeline builds them.
 

@@ -119,8 +119,16 @@ class ReplayEngine:
         self.pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=model.device)
 
     def encode(self, context: str, questions: list[str], answer_prefix: str = ""):
-        max_len = min(self.tokenizer.model_max_length, int(1e10))
-        return self.pipe.preprocess(context, questions, answer_prefix, max_len)
+        """The pipeline's ``context_ids`` and ``questions_ids``; ValueError for a prefill longer than the tokenizer's
+        ``model_max_length``, which the pipeline would cut there (perhaps past the needle) without a word."""
+        from .prompting import context_limit
+
+        encoded = self.pipe.preprocess(context, questions, answer_prefix, int(1e10))  # never cut: refused below
+        limit, length = context_limit(self.tokenizer), encoded["context_ids"].shape[1]
+        if limit is not None and length > limit:
+            raise ValueError(f"a prefill of {length} tokens exceeds the tokenizer's model_max_length ({limit}), where "
+                             "kvpress's pipeline would cut it (and perhaps the needle); use shorter context lengths")
+        return encoded
 
     def shared_prefill(self, context_ids: torch.Tensor, reads: Optional[Iterable] = None) -> Prefill:
         """:meth:`prefill`, reusing the last prefill when it was of the same tokens and recorded ``reads`` (the offset protocol's text does not depend on the stride, so a sweep over strides prefills, scores and

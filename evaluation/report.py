@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Optional
 
 import pandas as pd
@@ -35,13 +36,28 @@ def _fmt_p(p) -> str:
     return "-" if p is None else f"{p:.2g}" if p >= 0.001 else "<0.001"
 
 
+def split_columns(records: list[dict]) -> list[str]:
+    """``model`` when the records hold more than one model, and ``seed`` when they are summarised per seed: the
+    columns that tell apart records of one cell (see :func:`.metrics.group_keys`)."""
+    columns = ["model"] if len({r.get("model") for r in records}) > 1 else []
+    return columns + (["seed"] if any("seed" in r for r in records) else [])
+
+
+def _seed_order(seed) -> int:
+    return -1 if seed is None else int(seed)
+
+
 def summary_table(records: list[dict]) -> pd.DataFrame:
-    """A compact table of the summary records, one row each (the calibrated statistics first)."""
+    """A compact table of the summary records, one row each (the calibrated statistics first), with ``model`` and
+    ``seed`` columns first when the records hold several (:func:`split_columns`)."""
+    split = split_columns(records)
     rows = []
     for r in records:
         rows.append({
+            **{column: r.get(column) for column in split},
             "task": r["task"], "length": r.get("context_length"), "press": r["press"],
-            "ratio": r["compression_ratio"], "achieved": r.get("achieved_ratio"), "stride": r["stride"],
+            "ratio": r["compression_ratio"], "achieved": r.get("achieved_ratio"), "cache": r.get("cache_length"),
+            "stride": r["stride"],
             "protocol": r["protocol"], "setting": SETTING_LABELS.get(r.get("setting"), r.get("setting") or "-"),
             "mean": r["mean"], "worst": r["worst"], "boundary": r["boundary"],
             "p (phase test)": r["p_value"], "gap (cross-fit)": r["gap_xfit"],
@@ -53,11 +69,57 @@ def summary_table(records: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def _cell(x, digits: Optional[int] = None) -> str:
+    """``x`` for the console: ``-`` when missing, floats with ``digits`` decimals (None: as short as exact; a value
+    that rounds to zero is ``0``, never ``-0``)."""
+    if _missing(x):
+        return "-"
+    if isinstance(x, float):
+        text = f"{x:g}" if digits is None else f"{x:.{digits}f}"
+        return text[1:] if text.startswith("-") and float(text) == 0 else text
+    return str(x)
+
+
+CONSOLE_OPTIONAL = ("model", "seed", "protocol")
+"""Columns the console table adds in front when the records carry them: ``model`` and ``seed`` when any record has
+one, ``protocol`` when the records hold more than one."""
+
+
 def console_table(records: list[dict]) -> str:
-    df = summary_table(records)
-    if df.empty:
+    """The summary records as a table for a terminal (under 120 columns): the cell, the mean and worst accuracy,
+    the phase test's p and the cross-fitted gap with its 95% CI; missing values are ``-``. The full table is in
+    report.md (:func:`summary_table`) and every statistic in summary.json."""
+    if not records:
         return "(no results)"
-    return df.to_string(index=False, float_format=lambda x: f"{x:.3f}")
+    optional = [c for c in CONSOLE_OPTIONAL
+                if (len({str(r.get(c)) for r in records}) > 1 if c == "protocol"
+                    else any(not _missing(r.get(c)) for r in records))]
+    header = optional + ["task", "length", "press", "ratio", "stride", "setting", "mean", "worst", "p",
+                         "gap [95% CI]", "n"]
+    left = set(optional) | {"task", "press", "setting"}
+    rows = []
+    for r in records:
+        setting = r.get("setting")
+        p = r.get("p_value")
+        gap = r.get("gap_xfit")
+        rows.append([_cell(r.get(c)) for c in optional] + [
+            _cell(r.get("task")), _cell(r.get("context_length")), _cell(r.get("press")),
+            _cell(r.get("compression_ratio")), _cell(r.get("stride")),
+            "-" if _missing(setting) else SETTING_LABELS.get(setting, str(setting)),
+            _cell(r.get("mean"), 2), _cell(r.get("worst"), 2), "-" if _missing(p) else _fmt_p(p),
+            "-" if _missing(gap) else f"{_cell(gap, 2)} [{_cell(r.get('gap_xfit_ci_low'), 2)}, "
+                                      f"{_cell(r.get('gap_xfit_ci_high'), 2)}]",
+            _cell(r.get("n_samples")),
+        ])
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+    lines = [" ".join(text.ljust(w) if name in left else text.rjust(w)
+                       for name, text, w in zip(header, row, widths)).rstrip()
+             for row in [header] + rows]
+    return "\n".join(lines)
 
 
 def plot_group(records: list[dict], path: str, title: str) -> None:
@@ -126,11 +188,40 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def _slug(text: str) -> str:
+    name = os.path.basename(str(text).rstrip("/\\")) or str(text)
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
+
+
+def _runs_lines(runs: list[dict]) -> list[str]:
+    """report.md's list of the runs merged: model, seed, answers held and planned, and a sentence per incomplete run."""
+    table = pd.DataFrame([{"run": f"`{r['run']}`", "model": r.get("model") or "-",
+                           "seed": "-" if r.get("seed") is None else r["seed"], "answers": r["answers"],
+                           "planned": "-" if r.get("planned") is None else r["planned"]} for r in runs])
+    lines = ["Runs merged:", "", table.to_markdown(index=False), ""]
+    for r in runs:
+        if r.get("planned") is not None and r["answers"] < r["planned"]:
+            lines += [f"`{r['run']}` holds {r['answers']} of {r['planned']} planned answers: an incomplete run, whose "
+                      "cells may hold fewer samples than planned.", ""]
+    return lines
+
+
 def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict] = None, *,
-                  n_resamples: int = 2000, seed: int = 0) -> list[dict]:
-    """Write summary.json, the results tables, the plots and report.md; return the summary records."""
+                  n_resamples: int = 2000, seed: int = 0, runs: Optional[list[dict]] = None) -> list[dict]:
+    """Write summary.json, the results tables, the plots and report.md; return the summary records.
+
+    ``runs`` (``kvpress-phase report``): one dict per run merged, with ``run``, ``model``, ``seed``, ``answers`` and
+    ``planned`` (None when unknown), listed in report.md with a sentence for every incomplete run. Results of several
+    models or seeds are summarised, plotted and tabled apart (:func:`.metrics.group_keys`).
+    """
     os.makedirs(output_dir, exist_ok=True)
     records = summarize(results, n_resamples=n_resamples, seed=seed) if len(results) else []
+    split = split_columns(records)
+    models = sorted({str(r.get("model")) for r in records})
+    slugs: dict[str, str] = {}
+    for model in models:  # one file-name tag per model, unique even when two paths end in the same folder name
+        slug = _slug(model)
+        slugs[model] = slug if slug not in slugs.values() else f"{slug}-{len(slugs)}"
     with open(os.path.join(output_dir, "summary.json"), "w") as fh:
         json.dump(records, fh, indent=2)
     results.to_csv(os.path.join(output_dir, "results.csv"), index=False)
@@ -142,27 +233,34 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
     for r in records:
         if r["press"] == "no_press":
             continue
-        key = (r["task"], r.get("context_length") or 0, r["stride"], r["compression_ratio"], r["protocol"],
-               r.get("setting") or "query_agnostic")
+        key = (str(r.get("model")), _seed_order(r.get("seed")), r["task"], r.get("context_length") or 0, r["stride"],
+               r["compression_ratio"], r["protocol"], r.get("setting") or "query_agnostic")
         groups.setdefault(key, []).append(r)
-    for (task, length, stride, ratio, protocol, setting), group in sorted(groups.items()):
+    for (model, run_seed, task, length, stride, ratio, protocol, setting), group in sorted(groups.items()):
         control = [c for c in controls
-                   if (c["task"], c.get("context_length") or 0, c["stride"], c["protocol"],
-                       c.get("setting") or "query_agnostic") == (task, length, stride, protocol, setting)]
+                   if (str(c.get("model")), _seed_order(c.get("seed")), c["task"], c.get("context_length") or 0,
+                       c["stride"], c["protocol"], c.get("setting") or "query_agnostic")
+                   == (model, run_seed, task, length, stride, protocol, setting)]
         tag = "" if setting == "query_agnostic" else "_question"
+        tag += f"_{slugs[model]}" if "model" in split else ""
+        tag += f"_seed{group[0]['seed']}" if "seed" in split and group[0].get("seed") is not None else ""
         name = f"phase_{task}_n{length}_s{stride}_r{ratio:g}_{protocol}{tag}.png"
         achieved = group[0].get("window_ratio")
         asked = f"compression ratio {ratio:g}" + (f" (per window {achieved:.3g})" if achieved is not None
                                                    and abs(achieved - ratio) > 1e-9 else "")
         where = "query-aware (question compressed with the context)" if setting == "question_compressed" \
             else "query-agnostic"
+        which = (f"model {model}, " if "model" in split else "") + \
+            (f"seed {group[0].get('seed')}, " if "seed" in split else "")
         plot_group(control + group, os.path.join(output_dir, name),
-                   f"{task}, {length} tokens, stride {stride}, {asked}, {protocol} protocol, {where}")
-        plots.append((name, task, length, stride, ratio, f"{protocol}, {where}"))
+                   f"{which}{task}, {length} tokens, stride {stride}, {asked}, {protocol} protocol, {where}")
+        plots.append((name, f"{which}{task}", length, stride, ratio, f"{protocol}, {where}"))
 
     lines = ["# Phase evaluation report", ""]
     if config:
         lines += ["Configuration:", "", "```json", json.dumps(config, indent=2), "```", ""]
+    if runs:
+        lines += _runs_lines(runs)
     lines += [
         "Accuracy per phase of the answer's first token (95% Wilson intervals in the plots). `p (phase test)` = "
         "within-sample permutation test that accuracy does not depend on phase (paired: every sample is placed at "
@@ -174,10 +272,14 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
         "biased upward (a description of the sample, not evidence). `boundary` = phase S-1, reported apart. "
         "`no_press` is the uncompressed control on the same prompts. `ratio` is the compression ratio asked for, "
         "`achieved` the fraction of the whole cache removed (protected sink and recent tokens included; our presses' "
-        "per-window ratio is `1 - k/S`, with k from the rounding rule). `setting`: `query-agnostic` = the question "
+        "per-window ratio is `1 - k/S`, with k from the rounding rule), `cache` the entries decoding attends to per "
+        "layer and KV head, the mean over the answers (under `--matched-cache` kvpress's chunk wrappers keep a few "
+        "fewer than ours: they round per chunk). `setting`: `query-agnostic` = the question "
         "is appended after compression (kvpress's pipeline), `query-aware` = the question is compressed with the "
         "context (`--query-aware`, kvpress's `query_aware`). `by depth` = "
-        "accuracy in five equal bins of the needle's depth in the context, start to end.",
+        "accuracy in five equal bins of the needle's depth in the context, start to end."
+        + (f" {' and '.join(f'`{c}`' for c in split)}: the answers of each {' and each '.join(split)} are "
+           "summarised apart, never pooled." if split else ""),
         "",
     ]
     table = summary_table(records)

@@ -33,7 +33,8 @@ Where each part lives (this module re-exports the public names of the others, so
 
 - :mod:`.config`: the configuration (:class:`~.config.EvalConfig`, its validation and fingerprint, ``SETTINGS``),
   the plan of a run (:class:`~.config.WorkUnit`, :func:`~.config.plan_units`, :func:`~.config.variants`) and the
-  context-length check against the model's positions;
+  checks of the model (:func:`~.config.check_model`: an architecture kvpress can hook, context lengths within the
+  tokenizer's limit, a warning past the positions the model knows);
 - :mod:`.replay`: the recorded prefill (:class:`~.replay.Prefill`) and
   :class:`~.replay.ReplayEngine`, which compresses it under any press and decodes the answers, with the identity
   of compressed caches (:func:`~.replay.cache_fingerprint`) and the scores shared between presses;
@@ -53,7 +54,8 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from .config import SETTINGS, EvalConfig, WorkUnit, check_context_lengths, duplicate_k, plan_units, variants
+from .config import (SETTINGS, EvalConfig, WorkUnit, check_context_lengths, check_model, config_differences,
+                     duplicate_k, plan_units, variants)
 from .presses import build_press, prefill_reads
 from .prompting import check_tokenizer
 from .replay import ATTENTIONS, HIDDEN_STATES, OFFLOAD_CHOICES, Prefill, ReplayEngine, cache_fingerprint
@@ -63,7 +65,8 @@ from .tasks import score
 
 __all__ = [  # the run, and the names other code imports from here (defined in .config, .replay and .store)
     "run_evaluation", "prefill_prompt", "distributed_state",
-    "SETTINGS", "EvalConfig", "WorkUnit", "check_context_lengths", "duplicate_k", "plan_units", "variants",
+    "SETTINGS", "EvalConfig", "WorkUnit", "check_context_lengths", "check_model", "duplicate_k", "plan_units",
+    "variants",
     "ATTENTIONS", "HIDDEN_STATES", "OFFLOAD_CHOICES", "Prefill", "ReplayEngine", "cache_fingerprint",
     "RESULTS_DIR", "OutputDirInUse", "ShardWarning", "lock_path", "output_lock", "read_results", "record_key",
     "removed_if_failed_empty",
@@ -86,15 +89,16 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
     """Run (or resume) ``config`` and return the merged per-example results.
 
     ``max_units`` stops after that many work units of this rank (used to test interruption). A tokenizer that
-    the pipeline or the task generators cannot use (not fast, or neither a BOS token nor a chat template)
-    raises ValueError before anything is written or run. One writer per output directory: the run holds
+    the pipeline or the task generators cannot use (not fast, or neither a BOS token nor a chat template), a model
+    whose attention layers kvpress cannot hook and a context length the pipeline would cut (:func:`check_model`)
+    raise ValueError before anything is written or run. One writer per output directory: the run holds
     ``output_lock(output_dir, rank)`` and raises :class:`OutputDirInUse` (a ValueError) when another process
     holds it. ``offload="cpu"`` keeps the recorded prefill on the CPU (see :class:`ReplayEngine`); it changes
     memory use, not results.
     """
     config.validate()
     check_tokenizer(tokenizer)
-    check_context_lengths(config, model)
+    check_model(config, model, tokenizer)  # a model kvpress cannot hook, a context the pipeline would cut: refused
     rank, world, barrier = distributed_state()
     with output_lock(output_dir, rank):
         return _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, progress, max_units, offload)
@@ -110,10 +114,14 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
         with open(config_path) as fh:
             previous = json.load(fh)
         if not config.resumes(previous.get("fingerprint")):
-            raise ValueError(
-                f"output directory {output_dir!r} holds results of a different configuration; "
-                "use another --output-dir or the same arguments to resume"
-            )
+            differences = config_differences(previous.get("config") or {}, config)
+            if differences:
+                held = (f"a run with {', '.join(old for _, old, _ in differences)}; this command has "
+                        f"{', '.join(new for _, _, new in differences)}")
+            else:  # e.g. a run saved with a field that no longer exists
+                held = "a run of another configuration (its config.json)"
+            raise ValueError(f"--output-dir {output_dir!r} holds {held} (use another --output-dir, or the same "
+                             "arguments to resume)")
     elif rank == 0:
         with open(config_path, "w") as fh:
             json.dump(saved, fh, indent=2)

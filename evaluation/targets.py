@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import warnings
 from typing import Optional
@@ -30,18 +29,18 @@ import pandas as pd
 
 from .metrics import boundary_test, phase_matrix, summarize
 from .presses import REGISTRY, parse_press_spec
-from .store import read_results
+from .store import read_runs
 
 CELL = ["setting", "task", "context_length", "stride", "compression_ratio"]
 
 
 def load(runs: list[str]) -> pd.DataFrame:
-    frames = []
-    for run in runs:
-        if not os.path.isdir(os.path.join(run, "results")):
-            raise ValueError(f"{run!r} holds no results of `kvpress-phase eval` (no results/ folder)")
-        frames.append(read_results(run))
-    return pd.concat(frames, ignore_index=True).drop_duplicates("key", keep="first")
+    """The answers of ``runs`` merged as ``kvpress-phase report`` merges them (:func:`~.store.read_runs`: every answer
+    of every model and seed kept, identical copies collapsed with a line on stderr, conflicting copies refused)."""
+    results, _, notes = read_runs(runs)
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
+    return results
 
 
 def fmt_number(x, digits=3) -> str:

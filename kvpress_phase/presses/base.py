@@ -272,11 +272,12 @@ def check_window_options(mode: str, weighting: str, rope: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def _check_model(press, model) -> None:
-    """Refuse, when the press is attached, a model whose attention layers kvpress cannot hook: kvpress (and
-    :func:`_compress_after_prefill`) find them at ``model.model.layers[i].self_attn`` and hand each the model's
-    ``model.model.rotary_emb``, which only its rotary decoders have (GPT-2, for one, has neither). The embedding may
-    be None where nothing un-rotates keys (selection, or ``rope="none"``)."""
+def unsupported_model(model, who: str) -> Optional[str]:
+    """Why ``who`` (a press's class name, or what runs presses on ``model``) cannot run on ``model``, in one line;
+    None when it can. kvpress (and :func:`_compress_after_prefill`, and the evaluation's recorded prefill) find the
+    attention layers at ``model.model.layers[i].self_attn`` and hand each the model's ``model.model.rotary_emb``,
+    which only its rotary decoders have (GPT-2, for one, has neither). The embedding may be None where nothing
+    un-rotates keys (selection, or ``rope="none"``)."""
     inner = getattr(model, "model", None)
     inner = getattr(inner, "language_model", inner)
     layers = getattr(inner, "layers", None)
@@ -284,12 +285,19 @@ def _check_model(press, model) -> None:
         ("model.model.rotary_emb", hasattr(inner, "rotary_emb")),
         ("model.model.layers[i].self_attn", layers is not None and all(hasattr(m, "self_attn") for m in layers)),
     ) if not ok]
-    if missing:
-        raise ValueError(
-            f"{type(press).__name__} needs a model with rotary position embeddings whose attention layers kvpress "
-            "can hook, as in Llama, Mistral, Qwen2/3, Phi3 and Gemma3 (model.model.rotary_emb and "
-            f"model.model.layers[i].self_attn); {type(model).__name__} has no {' and no '.join(missing)}"
-        )
+    if not missing:
+        return None
+    return (f"{who} needs a model with rotary position embeddings whose attention layers kvpress can hook, as in "
+            "Llama, Mistral, Qwen2/3, Phi3 and Gemma3 (model.model.rotary_emb and model.model.layers[i].self_attn); "
+            f"{type(model).__name__} has no {' and no '.join(missing)}")
+
+
+def _check_model(press, model) -> None:
+    """Refuse, when the press is attached, a model whose attention layers kvpress cannot hook
+    (:func:`unsupported_model`)."""
+    message = unsupported_model(model, type(press).__name__)
+    if message:
+        raise ValueError(message)
 
 
 def _check_positions(press, hidden_states: Optional[torch.Tensor], seq_len: int) -> None:

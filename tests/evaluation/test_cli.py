@@ -132,7 +132,7 @@ def test_presses_with_different_settings_are_distinct():
 
 
 HELP = [["--help"], ["eval", "--help"], ["audit", "--help"], ["report", "--help"], ["list", "--help"],
-        ["train", "--help"]]
+        ["train", "--help"], ["train-scorer", "--help"]]
 
 
 @pytest.mark.parametrize("argv", HELP, ids=[" ".join(a) for a in HELP])
@@ -148,13 +148,13 @@ def test_help_is_plain_words_and_no_example_writes_into_the_package(argv, capsys
 
 
 def test_the_command_is_evaluation_commands_and_train():
-    """kvpress-phase (kvpress_phase.cli) composes evaluation's commands and training's train; the evaluation
-    commands also run alone (python -m kvpress_phase.evaluation.cli), with the same flags."""
+    """kvpress-phase (kvpress_phase.cli) composes evaluation's commands and training's train and train-scorer; the
+    evaluation commands also run alone (python -m kvpress_phase.evaluation.cli), with the same flags."""
     def commands(parser):
         (sub,) = [a for a in parser._actions if a.dest == "command"]
         return list(sub.choices)
 
-    assert commands(cli.build_parser()) == list(evaluation_cli.COMMANDS) + ["train"]
+    assert commands(cli.build_parser()) == list(evaluation_cli.COMMANDS) + ["train", "train-scorer"]
     assert commands(evaluation_cli.build_parser()) == list(evaluation_cli.COMMANDS)
     argv = ["eval", "--strides", "4,8", "--query-aware", "--output-dir", "o"]
     assert vars(cli.build_parser().parse_args(argv)) == vars(evaluation_cli.build_parser().parse_args(argv))
@@ -207,8 +207,12 @@ def test_other_configuration_in_the_same_output_dir(model_dir, tmp_path, capsys)
     base = ["eval", "--model", model_dir, "--tasks", "niah_single", "--presses", "no_press", "--strides", "4",
             "--context-lengths", "128", "--output-dir", str(tmp_path), "--no-progress", "--bootstrap", "100"]
     assert cli.main(base + ["--samples", "1"]) == 0
-    assert cli.main(base + ["--samples", "2"]) == 2
-    assert "different configuration" in capsys.readouterr().err
+    capsys.readouterr()
+    # each differing argument named as its flag, with the run's value and this command's
+    err = _refused(base + ["--samples", "2", "--seed", "3", "--query-aware"], capsys)
+    assert err == (f"kvpress-phase: error: --output-dir {str(tmp_path)!r} holds a run with --samples 1, --seed 0, no "
+                   "--query-aware; this command has --samples 2, --seed 3, --query-aware (use another --output-dir, "
+                   "or the same arguments to resume)")
 
 
 def _unreadable_weights(folder) -> None:
@@ -360,7 +364,7 @@ def test_default_model_is_recorded_and_old_runs_without_it_resume(model_dir, tmp
     assert shard.read_text() == rows
     # but another model does not resume that run
     assert cli.main(args + ["--model", model_dir]) == 2
-    assert "different configuration" in capsys.readouterr().err
+    assert f"holds a run with no --model; this command has --model {model_dir} (" in capsys.readouterr().err
 
 
 def test_slow_dtype_on_the_device_is_a_one_line_warning(model_dir, tmp_path, capsys):
@@ -402,3 +406,174 @@ def test_audit_is_the_eval_preset_it_prints(model_dir, tmp_path, capsys):
     # the printed command is the run: rerunning it resumes the same output directory with nothing left to do
     command = [line for line in err.splitlines() if line.startswith("kvpress-phase eval")][0].split()[1:]
     assert cli.main(command) == 0
+
+
+# ------------------------------------------------------------------------------------------------ refused up front
+def _model_folder(path, model, tokenizer) -> str:
+    model.save_pretrained(path)
+    save_tokenizer(tokenizer, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def short_model_dir(tmp_path_factory):
+    """A tiny random-weight Llama whose tokenizer keeps 256 tokens (model_max_length), where kvpress's pipeline
+    cuts a longer prefill."""
+    from tiny_models import tiny_model
+
+    tok = build_tokenizer()
+    tok.model_max_length = 256
+    return _model_folder(tmp_path_factory.mktemp("short"), tiny_model("llama", vocab_size=len(tok)), tok)
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A tiny random-weight GPT-2 (learned absolute positions, no rotary embedding, layers at transformer.h[i])."""
+    import transformers
+
+    tok = build_tokenizer()
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=1024,
+                                                                 vocab_size=len(tok)))
+    return _model_folder(tmp_path_factory.mktemp("gpt2"), model, tok)
+
+
+def test_context_longer_than_the_tokenizer_keeps_is_refused_before_anything_is_written(short_model_dir, tmp_path,
+                                                                                         capsys):
+    out = tmp_path / "run"
+    err = _refused(["eval", "--model", short_model_dir, "--tasks", "niah_single", "--presses", "no_press",
+                    "--strides", "4", "--context-lengths", "128,512,300", "--samples", "1", "--no-progress",
+                    "--output-dir", str(out)], capsys)
+    assert err == (f"kvpress-phase: error: context length 300, 512 exceeds the 256 tokens --model {short_model_dir!r} "
+                   "takes (its tokenizer's model_max_length): kvpress's pipeline would cut the prefill there, and the "
+                   "needle with it; use context lengths up to 256")
+    assert not out.exists()
+
+
+def test_a_prefill_over_the_tokenizer_limit_is_refused_not_cut(short_model_dir, tmp_path, capsys):
+    """The question compressed with a context of the full 256 tokens makes a longer prefill: the runner refuses it
+    where kvpress's pipeline would cut it."""
+    out = tmp_path / "run"
+    err = _refused(["eval", "--model", short_model_dir, "--tasks", "niah_single", "--presses", "no_press",
+                    "--strides", "4", "--context-lengths", "256", "--samples", "1", "--no-progress", "--query-aware",
+                    "--no-diagnostics", "--output-dir", str(out)], capsys)
+    assert "tokens exceeds the tokenizer's model_max_length (256), where kvpress's pipeline would cut it" in err
+    assert not (out / "results").exists() or not any((out / "results").iterdir())
+
+
+@pytest.mark.parametrize("command", ["eval", "audit"])
+def test_a_model_without_rotary_embeddings_is_refused_with_the_presses_message(command, gpt2_dir, tmp_path, capsys):
+    import transformers
+
+    from kvpress_phase import ChunkedStridePress
+
+    out = tmp_path / "run"
+    argv = ["eval", "--tasks", "niah_single", "--presses", "no_press,chunked_stride"] if command == "eval" else \
+        ["audit", "knorm"]
+    assert cli.main(argv + ["--model", gpt2_dir, "--context-lengths", "128", "--samples", "1", "--no-progress",
+                            "--output-dir", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    if command == "audit":  # the eval command it stands for, then the refusal
+        assert lines.pop(0).startswith("kvpress-phase eval ")
+    assert len(lines) == 1 and "Traceback" not in lines[0]
+    err = lines[0]
+    assert err.startswith("kvpress-phase: error: the phase evaluation needs a model with rotary position embeddings")
+    gpt2 = transformers.AutoModelForCausalLM.from_pretrained(gpt2_dir)
+    with pytest.raises(ValueError) as attached:
+        with ChunkedStridePress(0.5)(gpt2):
+            pass
+    message = str(attached.value)
+    assert message.startswith("ChunkedStridePress needs")  # the same words, with the press as the subject
+    assert err.partition(" needs ")[2] == message.partition(" needs ")[2]
+    assert "GPT2LMHeadModel has no model.model.rotary_emb and no model.model.layers[i].self_attn" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("chunked_stride:strid=4", "press 'chunked_stride' has no setting 'strid' (did you mean stride? it is set by "
+                               "--strides); chunked_stride's settings: n_sink, n_local, scorer, backend, mode, "
+                               "weighting, rope"),
+    ("chunked_stride:mod=pool", "press 'chunked_stride' has no setting 'mod' (did you mean mode?); chunked_stride's "
+                                "settings: "),
+    ("chunked_stride:stride=4", "press setting 'stride' in 'chunked_stride:stride=4' is set by --strides, not in the "
+                                "press spec; chunked_stride's settings: "),
+    ("phase_aware:budget=window:stager=head", "has no setting 'stager' (did you mean stagger?)"),
+    ("staggered_window:widow=16", "has no setting 'widow' (did you mean window?)"),
+])
+def test_an_unknown_press_setting_names_the_press_settings_before_the_model_loads(spec, message, tmp_path, capsys):
+    err = _refused(["eval", "--model", "/no/such/model", "--presses", f"no_press,{spec}",
+                    "--output-dir", str(tmp_path / "run")], capsys)
+    assert message in err and "unexpected keyword" not in err
+
+
+def test_every_listed_press_setting_is_accepted():
+    from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec, press_settings
+
+    for name in REGISTRY:
+        for key in press_settings(name):
+            try:  # a value no setting takes: refused by the press, if at all, never for its key
+                parse_press_spec(f"{name}:{key}=<nonsense>")
+            except ValueError as refused:
+                assert "has no setting" not in str(refused) and "is set by" not in str(refused), refused
+
+
+@pytest.mark.parametrize("flag,values,message", [
+    ("--context-lengths", "256,256", "--context-lengths lists 256 twice: give each context length once"),
+    ("--strides", "4,8,4", "--strides lists 4 twice: give each stride once"),
+    ("--compression-ratios", "0.25,0.250", "--compression-ratios lists 0.25 twice: give each compression ratio once"),
+    ("--tasks", "niah_single,niah_single", "--tasks lists 'niah_single' twice: give each task once"),
+    ("--phases", "1,1", "--phases lists 1 twice: give each phase once"),
+    ("--windows", "8,8", "--windows lists 8 twice: give each window once"),
+])
+def test_a_value_listed_twice_is_refused_like_a_press_listed_twice(flag, values, message, tmp_path, capsys):
+    err = _refused(["eval", "--model", "/no/such/model", flag, values, "--output-dir", str(tmp_path)], capsys)
+    assert err == f"kvpress-phase: error: {message}"
+
+
+@pytest.mark.parametrize("presses,warning", [
+    ("no_press,knorm,snapkv,chunked_stride", "--query-aware: knorm, chunked_stride do not read the question"),
+    ("knorm,chunkkv", "--query-aware: knorm does not read the question"),
+    ("no_press,knorm,chunk", "--query-aware: none of the presses reads the question"),
+    ("snapkv,chunked_stride:scorer=snapkv,chunk:scorer=tova", None),
+])
+def test_query_aware_names_the_presses_that_never_read_the_question(presses, warning, tmp_path, capsys):
+    assert cli.main(["eval", "--query-aware", "--presses", presses, "--model", "/no/such/model",
+                     "--output-dir", str(tmp_path / "run")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    warnings = [line for line in lines if line.startswith("kvpress-phase: warning: ")]
+    assert lines[-1].startswith("kvpress-phase: error: ") and "Traceback" not in "".join(lines)
+    if warning is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(f"kvpress-phase: warning: {warning} (Q in `kvpress-phase "
+                                                             "list`)")
+    assert cli.main(["eval", "--presses", presses, "--model", "/no/such/model",
+                     "--output-dir", str(tmp_path / "run")]) == 2  # query-agnostic: nothing to say
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_differences_from_a_saved_run_are_written_as_flags():
+    import dataclasses
+
+    from kvpress_phase.evaluation.config import config_differences
+
+    saved = dataclasses.asdict(EvalConfig(windows=[8], diagnostics=False, compression_ratios=[0.25, 0.5]))
+    del saved["step_by_step"]  # a run saved before the field existed: at its default
+    assert config_differences(saved, EvalConfig(compression_ratios=[0.25, 0.5], windows=[8], diagnostics=False)) == []
+    assert config_differences(saved, EvalConfig(compression_ratios=[0.25])) == [
+        ("compression_ratios", "--compression-ratios 0.25,0.5", "--compression-ratios 0.25"),
+        ("windows", "--windows 8", "no --windows"),
+        ("diagnostics", "--no-diagnostics", "no --no-diagnostics"),
+    ]
+
+
+def test_context_past_the_builtin_model_training_is_one_warning_line(tmp_path, capsys):
+    """Past the 2048 tokens the built-in model was trained on, within its 4096 positions: a run, with one warning
+    (the CLI's check and the runner's say it once)."""
+    args = ["eval", "--tasks", "niah_single", "--presses", "no_press", "--strides", "2", "--phases", "0",
+            "--context-lengths", "2100", "--samples", "1", "--no-diagnostics", "--device", "cpu", "--no-progress",
+            "--bootstrap", "100", "--output-dir", str(tmp_path / "run")]
+    assert cli.main(args) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == ["kvpress-phase: warning: context length 2100 exceeds the 2048 tokens the built-in model "
+                        "'builtin' was trained on: its rotary positions extrapolate there, but accuracy at such "
+                        "lengths says little about compression"]

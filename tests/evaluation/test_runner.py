@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
 
@@ -86,8 +86,13 @@ def test_interrupted_run_resumes_without_loss_or_duplicates(model, word_tokenize
 
 def test_changed_arguments_do_not_mix_into_old_results(model, word_tokenizer, tmp_path):
     run_evaluation(_config(samples=1), model, word_tokenizer, str(tmp_path), progress=False)
-    with pytest.raises(ValueError, match="different configuration"):
+    with pytest.raises(ValueError, match=r"holds a run with --samples 1; this command has --samples 2 \(use another "
+                                         r"--output-dir, or the same arguments to resume\)"):
         run_evaluation(_config(samples=2), model, word_tokenizer, str(tmp_path), progress=False)
+
+
+TWO_PROCESS_TIMEOUT = 900
+"""Seconds the two-process job may take: about 30 s on 2 idle cores, many times that when other jobs share them."""
 
 
 @pytest.mark.slow
@@ -95,6 +100,8 @@ def test_two_processes_write_shards_and_merge_deterministically(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
         "import sys\n"
+        "import torch\n"
+        "torch.set_num_threads(1)  # two workers on a machine that may be shared: one thread each\n"
         f"sys.path.insert(0, {os.path.dirname(__file__) + '/..'!r})\n"
         "from tiny_models import tiny_model\n"
         "from kvpress_phase.evaluation.runner import EvalConfig, run_evaluation\n"
@@ -107,13 +114,20 @@ def test_two_processes_write_shards_and_merge_deterministically(tmp_path):
     )
     out = tmp_path / "dist"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    with socket.socket() as sock:  # a free port: a fixed one can still be in TIME_WAIT from an earlier run
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(script), str(out)]
-    job = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
-    assert job.returncode == 0, job.stderr[-3000:]
+    # --standalone: the rendezvous store binds a free port itself and keeps it (a port picked here and released
+    # could be taken before torchrun binds it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           str(out)]
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # its own process group: a timeout ends the workers too
+    try:
+        stdout, stderr = job.communicate(timeout=TWO_PROCESS_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+        pytest.fail(f"the two-process run (torchrun --standalone --nproc_per_node 2, one thread per worker) did not "
+                    f"finish within {TWO_PROCESS_TIMEOUT} s; its stderr ends with:\n{stderr[-3000:]}")
+    assert job.returncode == 0, f"torchrun exited with code {job.returncode}:\n{stderr[-3000:]}"
     shards = sorted(os.listdir(out / "results"))
     assert shards == ["results-rank0.jsonl", "results-rank1.jsonl"]
     merged = read_results(str(out))
@@ -171,9 +185,17 @@ def test_context_longer_than_the_builtin_model_positions_says_what_it_was_traine
     from kvpress_phase import load_builtin_model
 
     builtin, _ = load_builtin_model()
-    with pytest.warns(UserWarning,
-                      match=r"\(4096\), and the built-in model 'builtin' was trained on sequences of up to 2048"):
+    assert check_context_lengths(EvalConfig(context_lengths=[512, 2048]), builtin) is None
+    with pytest.warns(UserWarning, match=r"context length 100000 exceeds the 2048 tokens the built-in model 'builtin' "
+                                         r"was trained on and its max_position_embeddings \(4096\)"):
         check_context_lengths(EvalConfig(context_lengths=[100_000]), builtin)
+    # past the training length but within the positions: the same rule (a warning), the positions not named
+    with pytest.warns(UserWarning, match=r"context length 3000, 100000 exceeds the 2048 tokens the built-in model "
+                                         r"'builtin' was trained on and its max"):
+        check_context_lengths(EvalConfig(context_lengths=[3000, 100_000]), builtin)
+    with pytest.warns(UserWarning, match=r"context length 3000 exceeds the 2048 tokens the built-in model 'builtin' "
+                                         r"was trained on: its rotary positions extrapolate there"):
+        check_context_lengths(EvalConfig(context_lengths=[3000]), builtin)
 
 
 def _row_state(engine, word_tokenizer, phase=3, **prefill_kw):

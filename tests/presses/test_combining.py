@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from kvpress import ComposedPress, DecodingPress, KnormPress, PrefillDecodingPress, StreamingLLMPress
@@ -55,6 +57,20 @@ def test_composed_before_a_pruning_press_works(name, pruning, tokenizer):
     assert ours.stats[0].compressed_length == ours_len
     assert cache.layers[0].keys.shape[2] == int(ours_len * 0.5)
 
+
+def test_a_composed_press_has_its_stats_on_ours_inside_it(tokenizer):
+    """kvpress's ComposedPress records nothing itself; README.md sends its users to ``composed.presses[0].stats``,
+    which describe our press's compression, before the next press prunes the cache further."""
+    composed = ComposedPress([ChunkedStridePress(0.5), KnormPress(0.5)])
+    cache = DynamicCache()
+    _pipe(tiny_model("llama"), tokenizer)(CONTEXT, question="w1", press=composed, max_new_tokens=2, cache=cache)
+    stats = composed.presses[0].stats
+    assert sorted(stats) == list(range(len(cache.layers)))
+    assert stats[0].compressed_length == compressed_length(_context_len(tokenizer), 8, 0.5)
+    assert stats[0].positions.shape[-1] == stats[0].compressed_length
+    assert cache.layers[0].keys.shape[2] == int(stats[0].compressed_length * 0.5)
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8") as fh:
+        assert "`composed.presses[0].stats` for `composed = ComposedPress([ours, other])`" in " ".join(fh.read().split())
 
 def test_shortened_keys_are_refused_by_compress_itself():
     press = ChunkedStridePress(0.5, rope="none")

@@ -1,0 +1,105 @@
+"""kvpress's KVzap with a scorer from a local folder: :func:`load_scorer` and :class:`LocalKVzapPress`.
+
+A KVzap scorer (``kvpress.presses.kvzap_press.KVzapModel``, one linear map or small MLP per layer from the layer's
+attention input to a log KVzip+ score per KV head) is tied to one model's shapes. kvpress's ``KVzapPress`` fetches
+``nvidia/KVzap-<type>-<model>`` from the hub in ``post_init_from_model``; :class:`LocalKVzapPress` loads the folder
+``scorer_path`` there instead (``kvpress-phase train-scorer`` writes such folders), after checking that the scorer
+was trained for a model of the same shape. Everything else (the scores, the compression) is kvpress's.
+
+    press = LocalKVzapPress(compression_ratio=0.5, scorer_path="outputs/scorer/mlp")
+    press = scorer_press("outputs/scorer/mlp", threshold=-6.0)   # kvpress's DMSPress around it
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kvpress import DMSPress
+from kvpress.presses.kvzap_press import KVzapModel, KVzapPress
+
+SOURCE_FIELDS = ("num_hidden_layers", "hidden_size", "num_key_value_heads")
+"""The source model's numbers a scorer's config records (as ``source_<field>``) and :func:`check_scorer` compares."""
+
+
+def model_shape(model) -> dict:
+    """``{field: value}`` of :data:`SOURCE_FIELDS` for a loaded causal LM (its text config for multimodal ones)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return {f: int(getattr(config, f)) for f in SOURCE_FIELDS}
+
+
+def _describe(name: str, shape: dict) -> str:
+    return (f"{name} ({shape['num_hidden_layers']} layers, hidden size {shape['hidden_size']}, "
+            f"{shape['num_key_value_heads']} KV heads)")
+
+
+def scorer_shape(scorer: KVzapModel) -> dict:
+    """The model shape a scorer fits: the recorded source numbers, or else its module count and dimensions."""
+    c = scorer.config
+    own = {"num_hidden_layers": c.n_modules, "hidden_size": c.input_dim, "num_key_value_heads": c.output_dim}
+    return {f: int(getattr(c, f"source_{f}", own[f])) for f in SOURCE_FIELDS}
+
+
+def check_scorer(scorer: KVzapModel, model, where: str = "the scorer") -> None:
+    """ValueError naming both models and their numbers when ``scorer`` was not trained for a model shaped like
+    ``model`` (number of layers, hidden size, KV heads)."""
+    have, want = scorer_shape(scorer), model_shape(model)
+    c = scorer.config
+    own = (c.n_modules, c.input_dim, c.output_dim)
+    if have != want or own != tuple(want[f] for f in SOURCE_FIELDS):
+        source = getattr(c, "source_model", None) or "another model"
+        target = getattr(model.config, "name_or_path", "") or type(model).__name__
+        raise ValueError(f"{where} was trained for {_describe(repr(source), have)}, not for "
+                         f"{_describe(repr(target), want)}; train one for this model with "
+                         "`kvpress-phase train-scorer`")
+
+
+def load_scorer(path: str, model) -> KVzapModel:
+    """The KVzap scorer saved in the folder ``path`` (``KVzapModel.save_pretrained``), checked against ``model``
+    (:func:`check_scorer`); ValueError when it cannot be read or was trained for another model."""
+    import os
+
+    from kvpress_phase.builtin import quiet_loading
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path!r} is not a scorer folder (it has no config.json); `kvpress-phase train-scorer` "
+                         "writes them into <output-dir>/linear and <output-dir>/mlp")
+    try:
+        with quiet_loading():
+            scorer = KVzapModel.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"the scorer {path!r} cannot be loaded: {exc}") from None
+    check_scorer(scorer, model, where=f"the scorer {path!r}")
+    return scorer.eval()
+
+
+@dataclass
+class LocalKVzapPress(KVzapPress):
+    """kvpress's ``KVzapPress`` with its scorer read from the folder ``scorer_path`` (see :func:`load_scorer`)
+    rather than from the hub; ``model_type`` follows the loaded scorer (``linear`` or ``mlp``)."""
+
+    scorer_path: Optional[str] = None
+
+    def post_init_from_model(self, model):
+        if not self.scorer_path:
+            raise ValueError("LocalKVzapPress needs scorer_path, a folder written by `kvpress-phase train-scorer`")
+        if self.kvzap_model_name != self.scorer_path:
+            self.kvzap_model = load_scorer(self.scorer_path, model)
+            self.kvzap_model_name = self.scorer_path  # what KVzapPress compares: the hub is never asked
+            self.model_type = "linear" if self.kvzap_model.config.hidden_dim is None else "mlp"
+        else:  # loaded before, maybe for another model
+            check_scorer(self.kvzap_model, model, where=f"the scorer {self.scorer_path!r}")
+
+
+def scorer_press(path: str, compression_ratio: float = 0.0, threshold: Optional[float] = None,
+                 sliding_window_size: int = 128):
+    """A ready press from the scorer folder ``path``: :class:`LocalKVzapPress` pruning ``compression_ratio`` of
+    every head's entries, or, with ``threshold``, kvpress's ``DMSPress`` around it (every entry scored below the
+    threshold evicted, the last ``sliding_window_size`` tokens kept), as kvpress pairs KVzap."""
+    press = LocalKVzapPress(compression_ratio=compression_ratio if threshold is None else 0.0, scorer_path=path)
+    if threshold is None:
+        return press
+    return DMSPress(press, threshold=threshold, sliding_window_size=sliding_window_size)
+
+
+__all__ = ["LocalKVzapPress", "check_scorer", "load_scorer", "model_shape", "scorer_press"]
