@@ -68,9 +68,9 @@ the presses given beside no compression and ChunkedStridePress in both modes at 
 per press and cell the phase test, the cross-fitted gap with its CI, the weakest phases and the boundary phase.
 It prints the equivalent `kvpress-phase eval` command, which the results record."""
 AUDIT_REFERENCE = ["chunked_stride", "chunked_stride:mode=pool"]
-THREADS_HELP = ("torch's intra-op CPU threads (default: 1 on the CPU, torch's choice on CUDA). One thread is about "
-                "as fast as two for the built-in model on an idle machine and keeps a run from slowing down many "
-                "times over when other processes share the cores; a larger model (smollm2) can run faster with one "
+THREADS_HELP = ("torch's intra-op CPU threads (default: 1 on the CPU, torch's choice on CUDA). For the built-in model "
+                "one thread is as fast as two on an idle machine, and more threads than free cores slow a run down "
+                "severalfold when other processes share them; a larger model such as smollm2 runs faster with one "
                 "thread per idle core. The answers do not depend on it, and a run resumes with any value")
 
 
@@ -111,7 +111,7 @@ def add_commands(sub) -> None:
                     help="where results, summary.json, plots and report.md go (default: outputs/phase-eval); "
                          "rerunning with the same arguments resumes")
     ev.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    ev.add_argument("--threads", type=threads, default=None, help=THREADS_HELP)
+    ev.add_argument("--threads", type=threads, default=None, metavar="N", help=THREADS_HELP)
     ev.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="model dtype (default: float32)")
     ev.add_argument("--matched-cache", action="store_true",
@@ -185,8 +185,8 @@ def add_commands(sub) -> None:
     au.add_argument("--model-wheel", metavar="PATH", help="as for eval")
     au.add_argument("--query-aware", action="store_true", help="compress the question with the context, as for eval")
     au.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    au.add_argument("--threads", type=threads, default=None, help="torch CPU threads, as for eval (default: 1 on the "
-                                                                   "CPU, torch's choice on CUDA)")
+    au.add_argument("--threads", type=threads, default=None, metavar="N",
+                    help="torch's intra-op CPU threads, as for eval (default: 1 on the CPU, torch's choice on CUDA)")
     au.add_argument("--output-dir", default="outputs/phase-audit",
                     help="where the results and the report go (default: outputs/phase-audit); rerun to resume")
     au.add_argument("--no-progress", action="store_true", help="hide the progress bar")

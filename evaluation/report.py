@@ -84,20 +84,14 @@ def _cell(x, digits: Optional[int] = None) -> str:
     return str(x)
 
 
-CONSOLE_OPTIONAL = ("model", "seed", "protocol")
-"""Columns the console table adds in front when the records carry them: ``model`` and ``seed`` when any record has
-one, ``protocol`` when the records hold more than one."""
-
-
 def console_table(records: list[dict]) -> str:
     """The summary records as a table for a terminal (under 120 columns): the cell, the mean and worst accuracy,
     the phase test's p and the cross-fitted gap with its 95% CI; missing values are ``-``. The full table is in
     report.md (:func:`summary_table`) and every statistic in summary.json."""
     if not records:
         return "(no results)"
-    optional = [c for c in CONSOLE_OPTIONAL
-                if (len({str(r.get(c)) for r in records}) > 1 if c == "protocol"
-                    else any(not _missing(r.get(c)) for r in records))]
+    # in front, the columns that tell records apart when they vary: model and seed (:func:`split_columns`), protocol
+    optional = split_columns(records) + (["protocol"] if len({str(r.get("protocol")) for r in records}) > 1 else [])
     header = optional + ["task", "length", "press", "ratio", "stride", "setting", "mean", "worst", "p",
                          "gap [95% CI]", "n"]
     left = set(optional) | {"task", "press", "setting"}

@@ -121,8 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="checkpoint and stop after training that long in this call (exit code 3); rerun the "
                              "same command to resume")
-    parser.add_argument("--threads", type=threads, default=None, help="torch's intra-op CPU threads (default: "
-                                                                       "torch's choice)")
+    parser.add_argument("--threads", type=threads, default=None, metavar="N",
+                        help="torch's intra-op CPU threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 

@@ -151,11 +151,13 @@ def test_console_table_fits_a_terminal_and_shows_missing_values_as_a_dash():
     assert missing[5] == "query-aware" and missing[6:] == ["-", "-", "-", "-", "6"]
 
 
-def test_console_table_adds_model_and_seed_only_when_the_records_carry_them():
+def test_console_table_adds_model_seed_and_protocol_only_when_they_tell_records_apart():
     from kvpress_phase.evaluation.report import console_table
 
     plain = console_table([_record("knorm")]).splitlines()[0].split()
     assert plain[0] == "task" and "model" not in plain and "seed" not in plain and "protocol" not in plain
+    one_model = console_table([_record("knorm", model="builtin"), _record("tova", model="builtin")])
+    assert one_model.splitlines()[0].split()[0] == "task"  # a column that never varies is left out
     merged = console_table([_record("knorm", model="smollm2", seed=0),
                             _record("knorm", model="builtin", seed=1, protocol="offset")])
     header = merged.splitlines()[0].split()
