@@ -1,6 +1,7 @@
 """Committed results replay identically: one sample per task of the real model's pre-registered test split (run 2, question
 compressed, 1,024 tokens; committed as it ran, decoded step by step) is computed again with today's code and default
-decoding, and every answer and cache length must equal the committed row's. This pins the behaviour of both presses,
+decoding: every cache length and needle placement must equal the committed row's, and every answer but at most
+:data:`MAX_FLIPS` near-ties. This pins the behaviour of both presses,
 every kvpress baseline of the split and the runner while the split is not finished (its frozen defaults must not
 move), and checks the fast decoding path against answers it did not produce."""
 
@@ -17,6 +18,11 @@ from kvpress_phase.evaluation.runner import EvalConfig, read_results, run_evalua
 
 pytestmark = pytest.mark.real_model
 
+STRUCTURE = ["cache_length", "offset", "depth"]
+MAX_FLIPS = 3
+"""Answers of the 1,120 allowed to differ from the committed ones: greedy decoding at a near-tie can flip under
+another CPU's floating-point rounding; a change of behaviour moves far more (a press or a decoding change: tens)."""
+
 RUN = os.path.join(os.path.dirname(__file__), "..", "..", "outputs", "real-test", "question-1024")
 
 
@@ -32,8 +38,14 @@ def test_a_committed_sample_replays_identically(tmp_path, task):
     assert len(golden) == 1120  # every answer of the sample: 3 strides x their phases x 14 presses and ratios
     model, tokenizer = load_builtin_model(name="smollm2")
     replayed = run_evaluation(config, model, tokenizer, str(tmp_path / "replay"), progress=False)
-    columns = ["prediction", "cache_length", "score", "offset", "depth"]
-    a = golden.set_index("key")[columns].sort_index()
-    b = replayed.set_index("key")[columns].sort_index()
+    a = golden.set_index("key").sort_index()
+    b = replayed.set_index("key").sort_index()
     assert list(a.index) == list(b.index)
-    pd.testing.assert_frame_equal(a, b, check_dtype=False)
+    # what compression keeps and where the needle sits are integers: equal everywhere
+    pd.testing.assert_frame_equal(a[STRUCTURE], b[STRUCTURE], check_dtype=False)
+    # greedy answers: equal but for near-ties that another CPU's rounding may flip (the committed run was decoded on
+    # another machine; on an AMD EPYC machine 1 answer of 1,120 differs, with the code of the run as well as today's)
+    differ = (a["prediction"] != b["prediction"]) | (a["score"] != b["score"])
+    assert differ.sum() <= MAX_FLIPS, (
+        f"{differ.sum()} of {len(a)} answers differ from the committed run (at most {MAX_FLIPS} near-ties allowed):\n"
+        + "\n".join(f"{k}: {a.prediction[k]!r} -> {b.prediction[k]!r}" for k in a.index[differ][:20]))
