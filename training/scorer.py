@@ -19,7 +19,7 @@ output projection over the query's hidden-state norm). kvpress ships such scorer
    template's opening, when the tokenizer has one). Each passage's features and targets are saved in
    ``<output-dir>/features/<split>/NNNN.pt`` as soon as computed, so a killed run resumes where it stopped.
 3. **Fits**, one module per layer, inputs the attention input, outputs the per-KV-head log score:
-   ``linear``: ridge regression solved in closed form (``torch.linalg.solve``) on normal equations accumulated over
+   ``linear``: ridge regression solved in closed form (Cholesky) on normal equations accumulated over
    the training passages, the penalty (relative to the mean diagonal of ``X^T X``, bias unpenalised) chosen per
    layer on the validation passages; ``mlp``: Linear(hidden, hidden/8) -> GELU -> Linear(hidden/8, KV heads) trained
    with Adam on the MSE over standardised inputs (the standardisation folded into the first layer afterwards), the
@@ -332,7 +332,7 @@ def fit_ridge(train: Samples, validation: Samples, alphas=RIDGE_ALPHAS) -> dict:
     (``alpha``, relative) and the validation MSE of every penalty tried (``validation_mse[alpha index][layer]``).
 
     The normal equations of the centred inputs and targets are accumulated batch by batch (float32 products summed
-    in float64) and solved in float64 with ``torch.linalg.solve``; the intercept is unpenalised."""
+    in float64) and solved in float64 by Cholesky; the intercept is unpenalised."""
     n, n_layers, hidden = train.x.shape
     heads = train.y.shape[-1]
     x_mean, _ = _moments(train.x)
@@ -347,7 +347,9 @@ def fit_ridge(train: Samples, validation: Samples, alphas=RIDGE_ALPHAS) -> dict:
         xty += (x.transpose(1, 2) @ y).double()
     scale = xtx.diagonal(dim1=1, dim2=2).mean(-1)  # (layers,)
     eye = torch.eye(hidden, dtype=torch.float64)
-    weights = torch.stack([torch.linalg.solve(xtx + alpha * scale[:, None, None] * eye, xty)
+    # the penalised normal equations are symmetric positive definite: Cholesky (batched LU failed in MKL's pivoting
+    # on SmolLM2's 30 layers, "Pivots given to lu_solve must all be greater or equal to 1")
+    weights = torch.stack([torch.cholesky_solve(xty, torch.linalg.cholesky(xtx + alpha * scale[:, None, None] * eye))
                            for alpha in alphas])  # (alphas, layers, hidden, KV)
     biases = y_mean - torch.einsum("lh,alhk->alk", x_mean, weights)  # (alphas, layers, KV)
     sse = torch.zeros(len(alphas), n_layers, dtype=torch.float64)
