@@ -50,11 +50,9 @@ class EvalConfig:
         labels = [parse_press_spec(spec).label for spec in self.presses]
         if not self.tasks or not self.presses:
             raise ValueError("tasks and presses must not be empty")
-        for i, label in enumerate(labels):
-            if label in labels[:i]:
-                raise ValueError(f"presses lists {label!r} twice: give each press once")
-        for flag, item, values in LISTED_ONCE:
-            values = getattr(self, values) or []
+        listed = [("--presses", "press", labels)] + [(flag, item, getattr(self, field) or [])
+                                                       for flag, item, field in LISTED_ONCE]
+        for flag, item, values in listed:
             for i, value in enumerate(values):
                 if value in values[:i]:
                     raise ValueError(f"{flag} lists {value!r} twice: give each {item} once")

