@@ -84,10 +84,8 @@ def make_case(name: str, ratio: float, stride: int):
         "phase_aware": lambda: PhaseAwarePress(ratio, stride=stride),
         "snapkv_scores": lambda: ScoresOnly(SnapKVScorer()),
         "staggered_window": lambda: StaggeredWindowPress(ratio, stride=stride, scorer=KnormPress()),
-        "phase_aware_row_knorm": lambda: PhaseAwarePress(ratio, stride=stride, scorer=KnormPress(),
-                                                         share_heads=True),
-        "phase_aware_row_snapkv": lambda: PhaseAwarePress(ratio, stride=stride, scorer=SnapKVPress(),
-                                                          share_heads=True),
+        "phase_aware_row_knorm": lambda: PhaseAwarePress(ratio, stride=stride, scorer=KnormPress()),
+        "phase_aware_row_snapkv": lambda: PhaseAwarePress(ratio, stride=stride, scorer=SnapKVPress()),
         "kvpress_snapkv": lambda: SnapKVPress(ratio),
         "kvpress_chunk": lambda: ChunkPress(KnormPress(ratio), chunk_length=stride),
     }

@@ -431,12 +431,13 @@ class _null:
 
 
 # ------------------------------------------------------------------------------------------------ KVzip
-def kvzip_scores(model, tokenizer, context_ids: torch.Tensor, cache) -> torch.Tensor:
-    """KVzip's importance scores ``(layers, 1, kv_heads, context_length)`` of a prefilled context, computed by
-    kvpress's ``KVzipPress`` over a copy of ``cache`` (:meth:`~kvpress_phase.presses.scorers.KVzipScorer.compute`)."""
+def kvzip_scores(model, tokenizer, context_ids: torch.Tensor, cache, plus: bool = False) -> torch.Tensor:
+    """KVzip's importance scores ``(layers, 1, kv_heads, context_length)`` of a prefilled context (KVzip+'s with
+    ``plus``), computed by kvpress's ``KVzipPress`` over a copy of ``cache``
+    (:meth:`~kvpress_phase.presses.scorers.KVzipScorer.compute`)."""
     from kvpress_phase.presses.scorers import KVzipScorer
 
-    return KVzipScorer().compute(model, context_ids, cache, tokenizer=tokenizer)
+    return KVzipScorer(kvzip_plus_normalization=plus).compute(model, context_ids, cache, tokenizer=tokenizer)
 
 
 def kvzip_masks(model, scores: torch.Tensor, compression_ratio: float) -> dict:

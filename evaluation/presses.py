@@ -66,6 +66,8 @@ class PressEntry:
     """``--matched-cache`` runs it at the ratio that gives ``ChunkedStridePress``'s cache length."""
     default_scorer: Optional[str] = None
     """The scorer a chunk wrapper wraps unless ``scorer=`` names another."""
+    scorers: tuple = CHUNK_SCORERS
+    """``"scorer"`` settings: the scorer names ``scorer=`` accepts."""
     setting_names: Optional[Callable[[dict], tuple]] = None
     """``setting_names(settings)``: the keys a ``"fields"`` press's spec may set, given the spec's settings (see
     :func:`press_settings`)."""
@@ -92,12 +94,44 @@ def _fields(class_name: str, *extra: str, window: bool = False):
     return names
 
 
+BUDGETS = {"even": None, "heads": "HeadBudgetPress", "layers": "LayerBudgetPress",
+           "layers_heads": "GlobalBudgetPress"}
+"""``phase_aware:allocate=NAME``: the budget wrapper (:mod:`kvpress_phase.presses.budget`) around ``PhaseAwarePress``
+(``even``: none). ``floor`` is the wrapper's; ``share_heads=false`` alone is ``HeadBudgetPress(floor=1.0)`` (each
+KV head its own even budget), and ``allocate=heads`` or ``layers_heads`` needs it, as the spelling of the runs that
+are committed has it."""
+
+
 def _phase_aware_settings(options: dict) -> tuple:
     """``phase_aware``'s settings: ``StaggeredWindowPress``'s under ``budget=window``/``window_topk``, else
-    ``PhaseAwarePress``'s with ``budget``, ``window`` and the ignored :data:`LEGACY_ROW_OPTIONS`."""
+    ``PhaseAwarePress``'s with ``allocate``, ``floor`` and ``share_heads`` (a budget wrapper, :data:`BUDGETS`),
+    ``budget``, ``window`` and the ignored :data:`LEGACY_ROW_OPTIONS`."""
     if options.get("budget") in ("window", "window_topk"):
         return _fields("StaggeredWindowPress", window=True)(options)
-    return _fields("PhaseAwarePress", "budget", "window", *LEGACY_ROW_OPTIONS)(options)
+    return _fields("PhaseAwarePress", "allocate", "floor", "share_heads", "budget", "window",
+                   *LEGACY_ROW_OPTIONS)(options)
+
+
+def _budget_wrapper(press, allocate: str, floor, share_heads):
+    """``press`` inside the budget wrapper that ``allocate``, ``floor`` and ``share_heads`` name (:data:`BUDGETS`)."""
+    import kvpress_phase
+
+    if allocate not in BUDGETS:
+        raise ValueError(f"allocate must be one of {tuple(BUDGETS)}, got {allocate!r}")
+    if not isinstance(share_heads, bool):
+        raise ValueError(f"share_heads must be true or false, got {share_heads!r}")
+    per_head = allocate in ("heads", "layers_heads")
+    if per_head and share_heads:
+        raise ValueError(f"allocate={allocate} gives each KV head its own tokens: add share_heads=false")
+    if allocate == "layers" and not share_heads:
+        raise ValueError("allocate=layers keeps one choice per layer, shared by its KV heads; per KV head across "
+                         "layers is allocate=layers_heads:share_heads=false")
+    if allocate == "even":
+        if floor is not None:
+            raise ValueError("floor is a setting of a budget spread by score: it needs allocate=heads, layers or "
+                             "layers_heads")
+        return press if share_heads else kvpress_phase.HeadBudgetPress(press, floor=1.0)
+    return getattr(kvpress_phase, BUDGETS[allocate])(press, floor=0.0 if floor is None else floor)
 
 
 def _chunked_stride(options: dict, a: BuildArgs):
@@ -132,7 +166,8 @@ def _phase_aware(options: dict, a: BuildArgs):
     if window and window != a.stride:
         raise ValueError(f"window ({window}) must equal stride ({a.stride}) for PhaseAwarePress, whose choice has no "
                          "windows; overlapping windows are StaggeredWindowPress's (budget=window)")
-    return PhaseAwarePress(a.ratio, stride=a.stride, offset=a.offset, **options)
+    budget = [options.pop(k, default) for k, default in (("allocate", "even"), ("floor", None), ("share_heads", True))]
+    return _budget_wrapper(PhaseAwarePress(a.ratio, stride=a.stride, offset=a.offset, **options), *budget)
 
 
 def _kvpress(class_name: str):
@@ -143,10 +178,29 @@ def _kvpress(class_name: str):
     return build
 
 
-def _kvzip(options: dict, a: BuildArgs):
-    from kvpress_phase.presses.scorers import quiet_kvzip_press
+def _kvzip(plus: bool):
+    def build(options: dict, a: BuildArgs):
+        from kvpress_phase.presses.scorers import quiet_kvzip_press
 
-    return quiet_kvzip_press(a.base_ratio)
+        return quiet_kvzip_press(a.base_ratio, kvzip_plus_normalization=plus)
+    return build
+
+
+def _adakv(options: dict, a: BuildArgs):
+    """kvpress's ``AdaKVPress`` around KeyDiff's scores, or around the scorer ``scorer=NAME`` names."""
+    from kvpress import AdaKVPress
+
+    from kvpress_phase.presses.scorers import scorer_from_name
+
+    scorer = scorer_from_name(options.get("scorer", "keydiff"))
+    scorer.compression_ratio = a.base_ratio
+    return AdaKVPress(scorer)
+
+
+def _kvzap(options: dict, a: BuildArgs):
+    from kvpress_phase.presses.learned_scorer import LocalKVzapPress
+
+    return LocalKVzapPress(compression_ratio=a.base_ratio)
 
 
 def _chunk(class_name: str, default_scorer: str):
@@ -196,7 +250,14 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
     PressEntry("pyramidkv", "kvpress PyramidKVPress (SnapKV scores, budgets shrinking with depth)",
                _kvpress("PyramidKVPress"), reads=_WINDOW_ATTENTION, matched=True),
     PressEntry("kvzip", "kvpress KVzipPress (attention while the model repeats the context; global budget across "
-               "layers and heads, evicted entries masked, not removed)", _kvzip, masks=True, matched=True),
+               "layers and heads, evicted entries masked, not removed)", _kvzip(False), masks=True, matched=True),
+    PressEntry("kvzip_plus", "kvpress KVzipPress(kvzip_plus_normalization=True) (KVzip+: the attention scaled by the "
+               "value's output norm; global budget, masked)", _kvzip(True), masks=True, matched=True),
+    PressEntry("adakv", "kvpress AdaKVPress(KeyDiffPress) (per-head budgets within each layer, masked; :scorer=NAME "
+               "wraps another scorer, e.g. kvzap)", _adakv, settings="scorer", masks=True, matched=True,
+               default_scorer="keydiff", scorers=CHUNK_SCORERS + ("kvzap",)),
+    PressEntry("kvzap", "kvpress KVzapPress with the scorer shipped for the model (learned KVzip+ scores from the "
+               "layer's input, the same count per head)", _kvzap, reads=frozenset({HIDDEN_STATES}), matched=True),
 ]}
 """Every press the evaluation can run, by name (the CLI's ``list`` prints them in this order)."""
 
@@ -328,8 +389,8 @@ def parse_press_spec(text: str) -> PressSpec:
         if not sep or not key:
             raise ValueError(f"press setting {item!r} in {text!r} must look like key=value")
         if entry.settings == "scorer":
-            if key != "scorer" or value not in CHUNK_SCORERS:
-                raise ValueError(f"press {name!r} takes only scorer=NAME with NAME one of {', '.join(CHUNK_SCORERS)} "
+            if key != "scorer" or value not in entry.scorers:
+                raise ValueError(f"press {name!r} takes only scorer=NAME with NAME one of {', '.join(entry.scorers)} "
                                  f"(got {item!r})")
         elif entry.settings == "none":
             raise ValueError(f"press {name!r} takes no settings (got {item!r})")

@@ -161,6 +161,7 @@ class ReplayEngine:
 
         For a press that masks instead of removing (kvpress's ``KVzipPress``) the cache is the full one; its masks
         are :meth:`masks`."""
+        self._left_masks = {}
         if _is_kvzip(press):
             return self.compressed_cache(state, None)
         cache = copy.copy(state.cache)
@@ -169,8 +170,9 @@ class ReplayEngine:
             return cache
         if press is not None:
             press.post_init_from_model(self.model)
-            if getattr(getattr(press, "scorer", None), "needs_context", False):  # KVzipScorer: once per prefill
-                press.scorer.scores = self._kvzip_scores(state)
+            scorer = getattr(press, "scorer", None)
+            if getattr(scorer, "needs_context", False):  # KVzipScorer: once per prefill
+                scorer.scores = self._kvzip_scores(state, scorer.kvzip_plus_normalization)
         device = self.model.device
         missing = ALL_INPUTS - state.reads
         try:
@@ -200,8 +202,12 @@ class ReplayEngine:
                 new_keys, new_values = keys, values
             else:
                 new_keys, new_values = press.compress(module, hidden, keys, values, attentions, kwargs)
-                # a press that masks entries (a budget per KV head) leaves them for kvpress's attention patch;
-                # the engine decodes with masks of its own (:meth:`masks`)
+                # a press that masks entries (per-KV-head budgets: AdaKV, ours) leaves them for kvpress's attention
+                # patch; the engine keeps them and decodes with masks of its own (:meth:`masks`)
+                found = getattr(module, "masked_key_indices", None)
+                if found is not None:
+                    _, heads, seqs = found
+                    self._left_masks[layer_idx] = (heads.clone(), seqs.clone())
                 module.masked_key_indices = None
             cache.layers[layer_idx].keys = new_keys
             cache.layers[layer_idx].values = new_values
@@ -209,27 +215,28 @@ class ReplayEngine:
     def masks(self, state: Prefill, press: Optional[BasePress]):
         """The entries ``press`` masks in ``state``'s cache while decoding (:data:`.decoding.Masks`), or None for
         a press that removes entries. KVzip's scores are computed once per prefill and reused for every ratio; a
-        press of ours that masks (``PhaseAwarePress(allocate="heads")``) records its masks in ``press.stats`` when
-        :meth:`compressed_cache` compresses with it, so this is called after that."""
+        press that masks per KV head while compressing (kvpress's ``AdaKVPress``, a per-head budget wrapper of ours)
+        leaves its masks in kvpress's ``module.masked_key_indices``, which :meth:`compressed_cache` keeps, so this is
+        called after that."""
         if not _is_kvzip(press):
-            found = {layer: stats.masked for layer, stats in getattr(press, "stats", {}).items()
-                     if getattr(stats, "masked", None) is not None}
-            return found or None
+            return getattr(self, "_left_masks", None) or None
         if press.compression_ratio == 0:
             return None
         from .decoding import kvzip_masks
-        return kvzip_masks(self.model, self._kvzip_scores(state), press.compression_ratio)
+        return kvzip_masks(self.model, self._kvzip_scores(state, press.kvzip_plus_normalization),
+                           press.compression_ratio)
 
-    def _kvzip_scores(self, state: Prefill) -> torch.Tensor:
-        """KVzip's reconstruction scores of ``state``'s context, computed once per prefill (they serve kvpress's
-        ``KVzipPress`` at every ratio and our presses' ``KVzipScorer``)."""
+    def _kvzip_scores(self, state: Prefill, plus: bool = False) -> torch.Tensor:
+        """KVzip's (or, with ``plus``, KVzip+'s) reconstruction scores of ``state``'s context, computed once per
+        prefill (they serve kvpress's ``KVzipPress`` at every ratio and our presses' ``KVzipScorer``)."""
         from .decoding import kvzip_scores
 
         if state.offload is not None:
             raise ValueError("KVzip replays the context over the full cache, which offload='cpu' does not keep")
-        if "kvzip_scores" not in state.memo:
-            state.memo["kvzip_scores"] = kvzip_scores(self.model, self.tokenizer, state.context_ids, state.cache)
-        return state.memo["kvzip_scores"]
+        key = ("kvzip_scores", plus)
+        if key not in state.memo:
+            state.memo[key] = kvzip_scores(self.model, self.tokenizer, state.context_ids, state.cache, plus=plus)
+        return state.memo[key]
 
     @torch.inference_mode()
     def answer_many(self, state: Prefill, presses: list, question_ids: torch.Tensor, max_new_tokens: int, *,
@@ -365,8 +372,9 @@ def _shared_scores(press, state: Prefill):
     from kvpress import ScorerPress
 
     from kvpress_phase.presses import WindowedPress
+    from kvpress_phase.presses.budget import BudgetPress
 
-    scorer = press.scorer if isinstance(press, WindowedPress) else press
+    scorer = press.scorer if isinstance(press, (WindowedPress, BudgetPress)) else press
     if (not isinstance(scorer, ScorerPress) or type(scorer).__name__ == "RandomPress" or "score" in vars(scorer)
             or getattr(scorer, "needs_context", False)):  # KVzipScorer: its scores are already per prefill
         yield

@@ -3,6 +3,8 @@
 - :class:`ChunkedStridePress` (chunked_stride_press.py): fixed windows every ``stride`` tokens, ``k`` entries each;
 - :class:`PhaseAwarePress` (phase_aware_press.py): the same cache length, the row's best tokens;
 - :class:`StaggeredWindowPress` (staggered_window_press.py): fixed per-window budgets on moving grids (ablations);
+- :class:`HeadBudgetPress`, :class:`LayerBudgetPress`, :class:`GlobalBudgetPress` (budget.py): wrappers that spread a
+  ``PhaseAwarePress``'s budget by score across KV heads, layers, or both;
 - :class:`PerLayerWindowedPress` (per_layer.py): a ratio per layer for any of them;
 - :class:`WindowedDecodingPress` (decoding.py): any of them while generating too.
 
@@ -11,6 +13,7 @@ beyond kvpress's in scorers.py; the attention patch for caches whose layers diff
 """
 
 from kvpress_phase.presses.base import WindowedPress
+from kvpress_phase.presses.budget import GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress
 from kvpress_phase.presses.chunked_stride_press import ChunkedStridePress
 from kvpress_phase.presses.decoding import WindowedDecodingPress
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
@@ -22,4 +25,5 @@ from kvpress_phase.presses.uneven_layers import patch_attention_functions
 patch_attention_functions()
 
 __all__ = ["ChunkedStridePress", "PhaseAwarePress", "StaggeredWindowPress", "PerLayerWindowedPress",
-           "WindowedDecodingPress", "WindowedPress", "LayerStats"]
+           "WindowedDecodingPress", "WindowedPress", "LayerStats", "HeadBudgetPress", "LayerBudgetPress",
+           "GlobalBudgetPress"]

@@ -314,7 +314,7 @@ def _check_positions(press, hidden_states: Optional[torch.Tensor], seq_len: int)
 
 
 @contextlib.contextmanager
-def _compress_after_prefill(press: WindowedPress, model):
+def _compress_after_prefill(press, model):
     """Record each attention layer's prefill inputs and the language model's input ids and cache (forward hooks),
     let the prefill finish uncompressed, have the press's scorer score the whole context
     (``scorer.compute(model, context_ids, cache)``, for a scorer that needs it), let the press plan across layers
@@ -349,8 +349,7 @@ def _compress_after_prefill(press: WindowedPress, model):
     cache, ids = seen.get("cache"), seen.get("ids")
     if not records or cache is None:
         return
-    why = type(press.scorer).__name__ if getattr(press.scorer, "needs_context", False) else \
-        f"{type(press).__name__}(allocate={getattr(press, 'allocate', None)!r})"
+    why = type(press.scorer).__name__ if getattr(press.scorer, "needs_context", False) else type(press).__name__
     if isinstance(cache, QuantizedCache):
         raise ValueError(f"{why} compresses after the prefill, which a QuantizedCache does not support here; use a "
                          "DynamicCache")

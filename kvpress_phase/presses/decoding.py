@@ -44,6 +44,7 @@ from transformers import QuantizedCache
 
 from kvpress_phase.phase import WindowLayout, n_windows
 from kvpress_phase.presses.base import WindowedPress
+from kvpress_phase.presses.budget import budget_of
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
 from kvpress_phase.presses.scorers import SnapKVScorer, token_scores
 from kvpress_phase.presses.stats import LayerStats
@@ -74,6 +75,10 @@ class WindowedDecodingPress(PrefillDecodingPress):
 
     def __post_init__(self):
         windowed = self.windowed
+        if budget_of(windowed):
+            raise ValueError(f"WindowedDecodingPress needs the same budget in every window of every layer and head; "
+                             f"{budget_of(windowed)} spreads it by score: wrap the PhaseAwarePress itself "
+                             "(WindowedDecodingPress(PhaseAwarePress(...)))")
         if not isinstance(windowed, WindowedPress):
             raise ValueError(
                 "press must be a ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress or PerLayerWindowedPress, "
@@ -81,10 +86,6 @@ class WindowedDecodingPress(PrefillDecodingPress):
         if getattr(windowed.scorer, "needs_context", False):
             raise ValueError(f"WindowedDecodingPress cannot use {type(windowed.scorer).__name__}: its scores need the "
                              "whole context, which a decoding step does not have")
-        if getattr(windowed, "allocate", "even") != "even":
-            raise ValueError(f"WindowedDecodingPress needs the same budget in every window of every layer and head; "
-                             f"{type(windowed).__name__}(allocate={windowed.allocate!r}) spreads it by score (use "
-                             "allocate='even' while decoding)")
 
     @property
     def windowed(self):

@@ -12,6 +12,7 @@ was trained for a model of the same shape. Everything else (the scores, the comp
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,8 +58,6 @@ def check_scorer(scorer: KVzapModel, model, where: str = "the scorer") -> None:
 def load_scorer(path: str, model) -> KVzapModel:
     """The KVzap scorer saved in the folder ``path`` (``KVzapModel.save_pretrained``), checked against ``model``
     (:func:`check_scorer`); ValueError when it cannot be read or was trained for another model."""
-    import os
-
     from kvpress_phase.builtin import quiet_loading
 
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -73,22 +72,57 @@ def load_scorer(path: str, model) -> KVzapModel:
     return scorer.eval()
 
 
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scorers")
+"""The folder of the scorers shipped in the package, one sub-folder per model (``kvpress_phase/scorers/``)."""
+
+
+def shipped_scorer_path(model) -> str:
+    """The folder of the shipped scorer trained for a model shaped like ``model``; ValueError naming the model's
+    shape, the shipped scorers and ``train-scorer`` when there is none."""
+    want = model_shape(model)
+    found = []
+    for name in sorted(os.listdir(SHIPPED)) if os.path.isdir(SHIPPED) else []:
+        path = os.path.join(SHIPPED, name)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            continue
+        from kvpress.presses.kvzap_press import KVzapConfig
+
+        config = KVzapConfig.from_pretrained(path)
+        shape = {f: int(getattr(config, f"source_{f}")) for f in SOURCE_FIELDS}
+        if shape == want:
+            return path
+        found.append(_describe(name, shape))
+    target = getattr(model.config, "name_or_path", "") or type(model).__name__
+    raise ValueError(f"no shipped KVzap scorer fits {_describe(repr(target), want)} (shipped: "
+                     f"{'; '.join(found) or 'none'}); train one with `kvpress-phase train-scorer --model NAME "
+                     "--output-dir DIR` and pass scorer_path=DIR/linear")
+
+
 @dataclass
 class LocalKVzapPress(KVzapPress):
     """kvpress's ``KVzapPress`` with its scorer read from the folder ``scorer_path`` (see :func:`load_scorer`)
-    rather than from the hub; ``model_type`` follows the loaded scorer (``linear`` or ``mlp``)."""
+    rather than from the hub; ``model_type`` follows the loaded scorer (``linear`` or ``mlp``). Without
+    ``scorer_path`` it uses the scorer shipped for the model's shape (:func:`shipped_scorer_path`); a model with none
+    is refused by name. Its scores are one log KVzip+ score per entry on one scale for every layer and KV head, so
+    budgets across layers (:mod:`kvpress_phase.presses.budget`) can rank them; as a scorer of our presses it is
+    ``scorer="kvzap"``."""
 
     scorer_path: Optional[str] = None
 
     def post_init_from_model(self, model):
-        if not self.scorer_path:
-            raise ValueError("LocalKVzapPress needs scorer_path, a folder written by `kvpress-phase train-scorer`")
-        if self.kvzap_model_name != self.scorer_path:
-            self.kvzap_model = load_scorer(self.scorer_path, model)
-            self.kvzap_model_name = self.scorer_path  # what KVzapPress compares: the hub is never asked
+        path = self.scorer_path or shipped_scorer_path(model)
+        if self.kvzap_model_name != path:
+            self.kvzap_model = load_scorer(path, model)
+            self.kvzap_model_name = path  # what KVzapPress compares: the hub is never asked
             self.model_type = "linear" if self.kvzap_model.config.hidden_dim is None else "mlp"
         else:  # loaded before, maybe for another model
-            check_scorer(self.kvzap_model, model, where=f"the scorer {self.scorer_path!r}")
+            check_scorer(self.kvzap_model, model, where=f"the scorer {path!r}")
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        if getattr(self, "kvzap_model", None) is None:
+            raise ValueError("LocalKVzapPress loads its scorer in post_init_from_model(model): use the press as a "
+                             "context manager (`with press(model): ...`) or through kvpress's pipeline")
+        return super().score(module, hidden_states, keys, values, attentions, kwargs)
 
 
 def scorer_press(path: str, compression_ratio: float = 0.0, threshold: Optional[float] = None,
@@ -102,4 +136,4 @@ def scorer_press(path: str, compression_ratio: float = 0.0, threshold: Optional[
     return DMSPress(press, threshold=threshold, sliding_window_size=sliding_window_size)
 
 
-__all__ = ["LocalKVzapPress", "check_scorer", "load_scorer", "model_shape", "scorer_press"]
+__all__ = ["LocalKVzapPress", "check_scorer", "load_scorer", "model_shape", "scorer_press", "shipped_scorer_path"]

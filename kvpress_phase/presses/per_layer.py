@@ -12,6 +12,7 @@ from torch import nn
 
 from kvpress_phase.phase import check_ratio
 from kvpress_phase.presses.base import WindowedPress
+from kvpress_phase.presses.budget import budget_of
 
 
 @dataclass
@@ -37,14 +38,14 @@ class PerLayerWindowedPress(BasePress):
     compression_ratios: Union[Sequence[float], Mapping[int, float]]
 
     def __post_init__(self):
+        if budget_of(self.press):
+            raise ValueError(f"PerLayerWindowedPress sets each layer's budget itself; {budget_of(self.press)} spreads "
+                             "the budget by score: use one or the other")
         if not isinstance(self.press, WindowedPress):
             raise ValueError(
                 f"press must be a ChunkedStridePress, PhaseAwarePress or StaggeredWindowPress, got {type(self.press).__name__}; for a "
                 "kvpress ScorerPress use kvpress's PerLayerCompressionPress"
             )
-        if getattr(self.press, "allocate", "even") in ("layers", "layers_heads"):
-            raise ValueError(f"PerLayerWindowedPress sets each layer's budget itself; {type(self.press).__name__}"
-                             f"(allocate={self.press.allocate!r}) spreads one budget across layers: use one or the other")
         ratios = self.compression_ratios
         if isinstance(ratios, Mapping):
             for layer, r in ratios.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -10,14 +11,9 @@ from torch import nn
 
 from kvpress_phase.kernels import ROPE_MODES, WEIGHTINGS, Compressed, keep_and_pool
 from kvpress_phase.phase import WindowLayout, check_number
-from kvpress_phase.presses.base import RESIDUALS, WindowedPress, check_bool, check_choice
-from kvpress_phase.presses.choice import keep_only, raw_tokens, spread_budget
-from kvpress_phase.presses.scorers import token_scores
+from kvpress_phase.presses.base import RESIDUALS, WindowedPress, check_choice
+from kvpress_phase.presses.choice import keep_only, raw_tokens
 from kvpress_phase.rope import rotary_inv_freq
-
-ALLOCATIONS = ("even", "layers", "heads", "layers_heads")
-"""Where ``PhaseAwarePress`` spends its raw-token budget: the same count in every layer and head, or by score
-across layers, across the KV heads of each layer, or across both."""
 
 ROW_POOL_WINDOWS = 4
 """With ``residual="pool"`` the leftover tokens are pooled over ``ROW_POOL_WINDOWS`` consecutive windows by default
@@ -35,8 +31,8 @@ class PhaseAwarePress(WindowedPress):
 
     1. **Score** every token with ``scorer`` (default kvpress's ``KeyDiffPress``, keys least similar to the mean
        key: query-agnostic and cheap, so the press is the same whether or not the question is in the cache), and
-       average the scores over the KV heads (``share_heads``: every head keeps the same tokens, so a fact is kept
-       whole in every head).
+       average the scores over the KV heads (every head keeps the same tokens, so a fact is kept whole in every
+       head; :class:`~kvpress_phase.presses.budget.HeadBudgetPress` gives each head its own).
     2. **Protect** the ``n_sink`` first and ``n_local`` last tokens (kept raw, as in ``ChunkedStridePress``), and
        optionally a ``recent`` share of the budget as one block just before them.
     3. **Choose** the best tokens of the whole row, as many as all the windows together may keep
@@ -60,8 +56,6 @@ class PhaseAwarePress(WindowedPress):
         :class:`~kvpress_phase.presses.scorers.KVzipScorer` (KVzip's reconstruction scores; the press then compresses
         after the prefill), :class:`~kvpress_phase.presses.scorers.SnapKVScorer`, or a name of
         :data:`~kvpress_phase.presses.scorers.SCORERS`.
-    share_heads : bool, default True
-        Average the scores over the KV heads before choosing (every head keeps the same tokens).
     recent : float, default 0.0
         The share of the raw-token budget spent on the most recent compressible tokens, kept as one contiguous
         block before the ``n_local`` protected ones (StreamingLLM's recency, sized to the budget). In ``[0, 1]``.
@@ -74,50 +68,27 @@ class PhaseAwarePress(WindowedPress):
         ``residual="pool"``: pool weights, uniform or the softmax of the scores.
     rope : {"start", "center", "centroid", "none"}, default "start"
         ``residual="pool"``: where a pooled key is re-rotated (as in ``ChunkedStridePress``).
-    allocate : {"even", "layers", "heads", "layers_heads"}, default "even"
-        Where the raw-token budget goes (``residual="drop"`` only). ``"even"``: every layer and head keeps
-        ``n_windows * k``. The others keep the same total but spend it by score (:func:`spread_budget`): across the
-        layers (``"layers"``: each layer's tensor has its own length, so the entries saved free memory; every
-        layer's scores are needed first, so the press compresses when the prefill has finished, as with a scorer
-        that needs the whole context), across the KV heads of each layer (``"heads"``, needs
-        ``share_heads=False``: a layer is stored at its longest head and the padding of shorter heads is masked
-        while decoding, as kvpress's ``AdaKVPress`` masks, so it frees no memory beyond the layer's longest head),
-        or across both (``"layers_heads"``). On SmolLM2-135M (``RESULTS.md``, section R5: a dev round and a fresh
-        test split) ``allocate="heads", share_heads=False`` answers better than ``"even"`` at ratios 0.5-0.75,
-        stays flat and costs about 0.03 prefills, but is still well below KVzip there and stores about twice
-        the bytes; ``"layers"`` answers worse. ``"even"`` stays the default.
-    floor : float, default 0.0
-        With ``allocate`` other than ``"even"``: every layer (or head) first keeps its ``floor`` share of the even
-        budget, its best tokens; the rest goes by score. In ``[0, 1]``.
+    Budgets over the model (by score across the KV heads of each layer, across layers, or both) are wrappers:
+    :class:`~kvpress_phase.presses.budget.HeadBudgetPress`, :class:`~kvpress_phase.presses.budget.LayerBudgetPress`
+    and :class:`~kvpress_phase.presses.budget.GlobalBudgetPress` (``LayerBudgetPress(PhaseAwarePress(0.5))``).
 
     Every parameter is validated at construction; invalid values raise ``ValueError`` naming the parameter.
     """
 
-    share_heads: bool = True
     recent: float = 0.0
     residual: str = "drop"
     pool_window: Optional[int] = None
     weighting: str = "mean"
     rope: str = "start"
-    allocate: str = "even"
-    floor: float = 0.0
-    _plan: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _budget: Optional[object] = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         check_choice("residual", self.residual, RESIDUALS)
         if self.pool_window is not None:
             check_number("pool_window", self.pool_window, self.stride)
         check_number("recent", self.recent, 0, 1, integer=False)
-        check_bool("share_heads", self.share_heads)
         check_choice("weighting", self.weighting, WEIGHTINGS)
         check_choice("rope", self.rope, ROPE_MODES)
-        check_choice("allocate", self.allocate, ALLOCATIONS)
-        check_number("floor", self.floor, 0, 1, integer=False)
-        if self.allocate != "even" and self.residual != "drop":
-            raise ValueError(f"allocate={self.allocate!r} spends a raw-token budget by score, which needs "
-                             f"residual='drop' (got residual={self.residual!r})")
-        if self.allocate in ("heads", "layers_heads") and self.share_heads:
-            raise ValueError(f"allocate={self.allocate!r} gives each KV head its own tokens: set share_heads=False")
         super().validate()
 
     @property
@@ -126,54 +97,26 @@ class PhaseAwarePress(WindowedPress):
         return self.residual == "pool" and self.rope != "none"
 
     @property
-    def plans_across_layers(self) -> bool:
-        """Whether every layer's scores are needed before any layer is compressed (a budget across layers)."""
-        return self.allocate in ("layers", "layers_heads") and self.compression_ratio > 0
+    def share_heads(self) -> bool:
+        """Whether the KV heads of a layer share one choice (they do unless a per-head budget wrapper spends it)."""
+        return not (self._budget is not None and self._budget.per_head)
 
-    def plan(self, layers) -> None:
-        """Decide each layer's raw-token counts from every layer's scores (``allocate="layers"`` or
-        ``"layers_heads"``), before any layer is compressed. ``layers`` yields ``(module, hidden_states, keys,
-        values, attentions, kwargs)`` per layer, what :meth:`compress` receives; the counts are used by the next
-        :meth:`compress` of each layer, once."""
-        self._plan = {}
-        if not self.plans_across_layers:
-            return
-        units, budgets, owners = [], [], []
-        for module, hidden_states, keys, values, attentions, kwargs in layers:
-            if keys.shape[0] != 1:
-                raise ValueError(f"allocate={self.allocate!r} plans one context at a time (batch 1), got batch "
-                                 f"{keys.shape[0]}")
-            layout = self.layout_for(module, keys)
-            if layout.n_windows == 0:
-                continue
-            scores = token_scores(self.scorer, module, hidden_states, keys, values, attentions, kwargs)
-            win = scores.float()[0].gather(1, layout.window_positions()[0].flatten(1))  # (heads, window tokens)
-            units.append(win.mean(dim=0, keepdim=True) if self.allocate == "layers" else win)
-            budgets.append(layout.n_windows * layout.k)
-            owners.append((getattr(module, "layer_idx", 0), keys.shape[2]))
-        for owner, counts in zip(owners, spread_budget(units, budgets, self.floor)):
-            self._plan[owner] = counts
+    @contextlib.contextmanager
+    def spending(self, budget):
+        """While the block runs, the raw-token counts come from ``budget`` (a budget wrapper of
+        :mod:`kvpress_phase.presses.budget`, which calls this around :meth:`compress`)."""
+        self._budget = budget
+        try:
+            yield
+        finally:
+            self._budget = None
 
     def raw_budget(self, module: nn.Module, scores: torch.Tensor, layout: WindowLayout):
-        """How many window tokens each row of this layer keeps raw: one count, or a ``(batch, heads)`` tensor."""
-        even = layout.n_windows * layout.k
-        if self.allocate == "even":
-            return even
-        if self.allocate == "heads":
-            win = scores.float().gather(2, layout.window_positions().flatten(2))  # (batch, heads, window tokens)
-            return torch.stack([spread_budget([row], [even], self.floor)[0] for row in win])
-        owner = (getattr(module, "layer_idx", 0), layout.seq_len)
-        if owner not in self._plan:
-            raise ValueError(
-                f"PhaseAwarePress(allocate={self.allocate!r}) spends its budget across layers, so it needs every "
-                "layer's scores before compressing any: use it on its own (pipeline(..., press=PhaseAwarePress(...)) "
-                "compresses when the prefill has finished); inside ComposedPress, PerLayerWindowedPress or "
-                "WindowedDecodingPress it cannot see the other layers"
-            )
-        counts = self._plan.pop(owner).to(scores.device)
-        if self.allocate == "layers":
-            return int(counts[0])
-        return counts[None]
+        """How many window tokens each row of this layer keeps raw: ``n_windows * k``, or what a budget wrapper
+        spends (one count, or a ``(batch, heads)`` tensor)."""
+        if self._budget is None:
+            return layout.n_windows * layout.k
+        return self._budget.counts(module, scores, layout)
 
     def compress_windows(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor,
                          scores: Optional[torch.Tensor], layout: WindowLayout) -> Compressed:

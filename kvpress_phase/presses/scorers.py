@@ -22,6 +22,8 @@ from typing import ClassVar, Optional
 import torch
 from kvpress import ExpectedAttentionPress, KeyDiffPress, KnormPress, RandomPress, ScorerPress, SnapKVPress, TOVAPress
 from kvpress.utils import get_prerope_query_states
+
+from kvpress_phase.presses.learned_scorer import LocalKVzapPress
 from torch import nn
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import rotate_half
@@ -143,6 +145,9 @@ class KVzipScorer(ScorerPress):
     ----------
     chunk_size : int, default 2048
         Context tokens reconstructed by each replay pass (KVzipPress's ``chunk_size``).
+    kvzip_plus_normalization : bool, default False
+        KVzip+'s scores: the attention scaled by the norm of the value's output projection over the query's
+        hidden-state norm (kvpress's option of the same name).
     tokenizer : optional
         The model's tokenizer, for the reconstruction prompt; None loads it from ``model.config.name_or_path`` as
         kvpress's ``KVzipPress`` does.
@@ -150,6 +155,7 @@ class KVzipScorer(ScorerPress):
 
     compression_ratio: float = 0.0
     chunk_size: int = 2048
+    kvzip_plus_normalization: bool = False
     tokenizer: Optional[object] = field(default=None, repr=False, compare=False)
     scores: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
     """``(layers, batch, kv_heads, context_length)``: the scores of the last context (:meth:`compute`)."""
@@ -173,7 +179,8 @@ class KVzipScorer(ScorerPress):
         from transformers import AutoTokenizer
 
         tokenizer = tokenizer or self.tokenizer or AutoTokenizer.from_pretrained(model.config.name_or_path)
-        press = quiet_kvzip_press(0.0, chunk_size=self.chunk_size)
+        press = quiet_kvzip_press(0.0, chunk_size=self.chunk_size,
+                                  kvzip_plus_normalization=self.kvzip_plus_normalization)
         if tokenizer.chat_template is None:
             prefix_text, suffix_text = "", "\n"
         else:
@@ -231,10 +238,13 @@ SCORERS = {
     "keydiff": KeyDiffPress,
     "random": RandomPress,
     "kvzip": KVzipScorer,
+    "kvzap": LocalKVzapPress,
 }
 """Scorers our presses accept by name, in Python (``PhaseAwarePress(scorer="keydiff")``) and in an evaluation press
-spec (``phase_aware:scorer=snapkv``): kvpress's, and for ``snapkv`` its partial-rotary-safe version
-:class:`SnapKVScorer` (same scores otherwise)."""
+spec (``phase_aware:scorer=snapkv``): kvpress's, for ``snapkv`` its partial-rotary-safe version
+:class:`SnapKVScorer` (same scores otherwise), and for ``kvzap`` kvpress's ``KVzapPress`` with the scorer shipped for
+the model (:class:`~kvpress_phase.presses.learned_scorer.LocalKVzapPress`: learned KVzip+ scores, comparable
+across layers)."""
 
 
 def scorer_from_name(name: str) -> ScorerPress:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpress import KnormPress, KVzipPress, PyramidKVPress
+from kvpress import AdaKVPress, KeyDiffPress, KnormPress, KVzipPress, PyramidKVPress
 from transformers import DynamicCache, pipeline
 
-from kvpress_phase import ChunkedStridePress, PhaseAwarePress, WindowedDecodingPress
+from kvpress_phase import (ChunkedStridePress, GlobalBudgetPress, LayerBudgetPress, PhaseAwarePress,
+                           WindowedDecodingPress)
 from kvpress_phase.evaluation.decoding import kvzip_masks, kvzip_scores
 from kvpress_phase.evaluation.presses import REGISTRY, build_press, parse_press_spec, reads_question
 from kvpress_phase.evaluation.runner import EvalConfig, ReplayEngine, duplicate_k, read_results, run_evaluation
@@ -211,7 +212,7 @@ def test_kvzip_scorer_press_through_the_pipeline_and_the_replay(model, word_toke
     state = engine.prefill(encoded["context_ids"])
     replayed = engine.answer_many(state, [press()], encoded["questions_ids"][0], 8, batch_size=1)[0]
     assert replayed["prediction"] == direct
-    assert torch.equal(used.scorer.scores, state.memo["kvzip_scores"])
+    assert torch.equal(used.scorer.scores, state.memo[("kvzip_scores", False)])
     with pytest.raises(ValueError, match="whole context"):
         WindowedDecodingPress(PhaseAwarePress(0.5, scorer=KVzipScorer()))
 
@@ -227,8 +228,8 @@ def test_fast_decoding_equals_step_by_step(model, word_tokenizer, row, draft):
     state = engine.prefill(encoded["context_ids"])
     q = encoded["questions_ids"][0]
     presses = [None, KVzipPress(0.5), KVzipPress(0.25), KnormPress(0.5), KnormPress(0.75), PyramidKVPress(0.5),
-               PyramidKVPress(0.75), PhaseAwarePress(0.75, allocate="layers"),
-               PhaseAwarePress(0.5, allocate="layers_heads", share_heads=False)]
+               PyramidKVPress(0.75), LayerBudgetPress(PhaseAwarePress(0.75)),
+               GlobalBudgetPress(PhaseAwarePress(0.5)), AdaKVPress(KeyDiffPress(0.5))]
     caches = [engine.compressed_cache(state, p) for p in presses]
     masks = [engine.masks(state, p) for p in presses]
     reference = []

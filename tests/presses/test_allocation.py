@@ -1,4 +1,5 @@
-"""PhaseAwarePress(allocate=...): one raw-token budget spread by score across layers, KV heads, or both."""
+"""Budget wrappers around PhaseAwarePress: one raw-token budget spread by score across layers, KV heads, or both
+(``HeadBudgetPress``, ``LayerBudgetPress``, ``GlobalBudgetPress``; specs ``phase_aware:allocate=...``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from kvpress import ComposedPress, KnormPress
 from transformers import DynamicCache, pipeline
 
 from tiny_models import tiny_model
-from kvpress_phase import PerLayerWindowedPress, PhaseAwarePress, WindowedDecodingPress
+from kvpress_phase import (GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress, PerLayerWindowedPress,
+                           PhaseAwarePress, WindowedDecodingPress)
 from kvpress_phase.evaluation.presses import build_press, parse_press_spec
 from kvpress_phase.evaluation.replay import ReplayEngine
 from kvpress_phase.evaluation.tasks import generate
@@ -47,30 +49,63 @@ def test_spread_budget_rejects_a_floor_outside_0_1():
 
 
 # ------------------------------------------------------------------------------------------------ validation
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(allocate="model"), "allocate"),
-    (dict(allocate="heads"), "share_heads=False"),
-    (dict(allocate="layers_heads"), "share_heads=False"),
-    (dict(allocate="layers", residual="pool"), "residual='drop'"),
-    (dict(allocate="layers", floor=-0.1), "floor"),
+def test_phase_aware_press_has_at_most_12_init_fields():
+    import dataclasses
+
+    fields = [f.name for f in dataclasses.fields(PhaseAwarePress) if f.init]
+    assert len(fields) <= 12, fields
+    assert not {"allocate", "floor", "share_heads"} & set(fields)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: LayerBudgetPress(PhaseAwarePress(0.5, residual="pool")), "residual='drop'"),
+    (lambda: HeadBudgetPress(PhaseAwarePress(0.5), floor=-0.1), "floor"),
+    (lambda: GlobalBudgetPress(KnormPress(0.5)), "must be a PhaseAwarePress"),
 ])
-def test_invalid_allocations_are_refused(kwargs, match):
+def test_invalid_budgets_are_refused(make, match):
     with pytest.raises(ValueError, match=match):
-        PhaseAwarePress(0.5, **kwargs)
+        make()
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("phase_aware:allocate=model", "allocate"),
+    ("phase_aware:allocate=heads", "share_heads=false"),
+    ("phase_aware:allocate=layers_heads", "share_heads=false"),
+    ("phase_aware:allocate=layers:share_heads=false", "layers_heads"),
+    ("phase_aware:floor=0.5", "floor"),
+    ("phase_aware:allocate=layers:residual=pool", "residual='drop'"),
+])
+def test_invalid_budget_specs_are_refused(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_press_spec(spec)
+
+
+@pytest.mark.parametrize("spec, wrapper, floor", [
+    ("phase_aware", None, None), ("phase_aware:share_heads=false", HeadBudgetPress, 1.0),
+    ("phase_aware:allocate=heads:share_heads=false", HeadBudgetPress, 0.0),
+    ("phase_aware:allocate=layers:floor=0.25", LayerBudgetPress, 0.25),
+    ("phase_aware:allocate=layers_heads:share_heads=false:floor=0.5", GlobalBudgetPress, 0.5),
+])
+def test_budget_specs_build_their_wrappers(spec, wrapper, floor):
+    press = build_press(parse_press_spec(spec), 0.5, 8, None, 0)
+    if wrapper is None:
+        assert type(press) is PhaseAwarePress
+        return
+    assert type(press) is wrapper and press.floor == floor and type(press.press) is PhaseAwarePress
 
 
 def test_wrappers_that_cannot_see_every_layer_refuse():
-    with pytest.raises(ValueError, match="allocate"):
-        WindowedDecodingPress(PhaseAwarePress(0.5, allocate="layers"))
-    with pytest.raises(ValueError, match="allocate"):
-        PerLayerWindowedPress(PhaseAwarePress(0.5, allocate="layers"), compression_ratios=[0.5, 0.5])
-    PerLayerWindowedPress(PhaseAwarePress(0.5, allocate="heads", share_heads=False), compression_ratios=[0.5, 0.5])
+    for wrapper in (LayerBudgetPress, HeadBudgetPress, GlobalBudgetPress):
+        with pytest.raises(ValueError, match=wrapper.__name__):
+            WindowedDecodingPress(wrapper(PhaseAwarePress(0.5)))
+        with pytest.raises(ValueError, match=wrapper.__name__):
+            PerLayerWindowedPress(wrapper(PhaseAwarePress(0.5)), compression_ratios=[0.5, 0.5])
 
 
 def test_composed_press_refuses_a_budget_across_layers(tokenizer):
     model = tiny_model("llama")
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
-    press = ComposedPress([PhaseAwarePress(0.5, allocate="layers"), KnormPress(0.1)])
+    press = ComposedPress([LayerBudgetPress(PhaseAwarePress(0.5)), KnormPress(0.1)])
     with pytest.raises(ValueError, match="every layer's scores"):
         pipe(CONTEXT, question="w1 w2", press=press, max_new_tokens=2)
 
@@ -82,12 +117,13 @@ def _run(press, tokenizer, layers=4, kv_heads=2):
     cache = DynamicCache()
     answer = pipe(CONTEXT, question="w1 w2", press=press, max_new_tokens=4, cache=cache)["answer"]
     n = len(tokenizer.encode(tokenizer.bos_token + CONTEXT, add_special_tokens=False))
-    even = compressed_length(n, press.stride, press.compression_ratio, press.n_sink, press.n_local)
+    inner = getattr(press, "press", press)
+    even = compressed_length(n, inner.stride, inner.compression_ratio, inner.n_sink, inner.n_local)
     return model, cache, answer, n, even
 
 
 def test_layers_spend_the_same_total_in_uneven_layers(tokenizer):
-    press = PhaseAwarePress(0.75, allocate="layers")
+    press = LayerBudgetPress(PhaseAwarePress(0.75))
     model, cache, answer, n, even = _run(press, tokenizer)
     lengths = [cache.layers[i].keys.shape[2] for i in range(4)]
     assert isinstance(answer, str)
@@ -98,16 +134,16 @@ def test_layers_spend_the_same_total_in_uneven_layers(tokenizer):
 
 
 def test_a_full_floor_is_the_even_budget(tokenizer):
-    _, spread, answer_spread, _, _ = _run(PhaseAwarePress(0.75, allocate="layers", floor=1.0), tokenizer)
+    _, spread, answer_spread, _, _ = _run(LayerBudgetPress(PhaseAwarePress(0.75), floor=1.0), tokenizer)
     _, even, answer_even, _, _ = _run(PhaseAwarePress(0.75), tokenizer)
     assert answer_spread == answer_even
     for a, b in zip(spread.layers, even.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-@pytest.mark.parametrize("allocate", ["heads", "layers_heads"])
-def test_head_budgets_mask_the_padding_of_shorter_heads(tokenizer, allocate):
-    press = PhaseAwarePress(0.75, allocate=allocate, share_heads=False)
+@pytest.mark.parametrize("wrapper", [HeadBudgetPress, GlobalBudgetPress])
+def test_head_budgets_mask_the_padding_of_shorter_heads(tokenizer, wrapper):
+    press = wrapper(PhaseAwarePress(0.75))
     model, cache, answer, n, even = _run(press, tokenizer)
     attended = 0
     for i, layer in enumerate(model.model.layers):
@@ -123,12 +159,12 @@ def test_head_budgets_mask_the_padding_of_shorter_heads(tokenizer, allocate):
                 assert seqs.tolist() == list(range(stored - seqs.numel(), stored))
         attended += 2 * stored - n_masked
     assert attended == 4 * 2 * even  # the same number of attended entries over the model and heads
-    if allocate == "heads":
+    if wrapper is HeadBudgetPress:
         assert all(cache.layers[i].keys.shape[2] >= even for i in range(4))
 
 
 def test_head_budgets_without_a_floor_can_starve_a_head_but_keep_its_protected_tokens(tokenizer):
-    press = PhaseAwarePress(0.75, allocate="heads", share_heads=False, n_sink=4, n_local=16)
+    press = HeadBudgetPress(PhaseAwarePress(0.75, n_sink=4, n_local=16))
     model, cache, _, n, _ = _run(press, tokenizer)
     for i in range(4):
         stored = cache.layers[i].keys.shape[2]

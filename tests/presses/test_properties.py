@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from kvpress import KnormPress
 
-from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress
+from kvpress_phase import ChunkedStridePress, HeadBudgetPress, PhaseAwarePress, StaggeredWindowPress
 from kvpress_phase.phase import compressed_length, group_bounds, kept_per_window, merge_period, phase_of
 from kvpress_phase.rope import rotate
 
@@ -235,7 +235,9 @@ def _row_press(p, **kw):
        rope=st.sampled_from(["none", "start", "centroid"]))
 def test_row_budget_keeps_exactly_chunked_strides_cache_length(p, residual, share, rope):
     keys, values = _kv(p)
-    press = _row_press(p, residual=residual, share_heads=share, rope=rope)
+    assume(share or residual == "drop")  # each KV head its own tokens: HeadBudgetPress, raw tokens only
+    press = _row_press(p, residual=residual, rope=rope)
+    press = press if share else HeadBudgetPress(press, floor=1.0)
     out_k, out_v = press.compress(FakeAttention(), None, keys, values, None, {})
     expected = compressed_length(p["seq_len"], p["stride"], p["compression_ratio"], p["n_sink"], p["n_local"])
     assert out_k.shape == out_v.shape == (p["batch"], p["heads"], expected, HEAD_DIM)
@@ -252,7 +254,8 @@ def test_row_budget_keeps_the_best_tokens_untouched(p, share):
     member is un-rotated and re-rotated, so up to rounding); with share_heads every head keeps the same ones; the
     protected first and last tokens are always among them."""
     keys, values = _kv(p)
-    press = _row_press(p, share_heads=share, rope="start")
+    press = _row_press(p, rope="start")
+    press = press if share else HeadBudgetPress(press, floor=1.0)
     out_k, out_v = press.compress(FakeAttention(), None, keys, values, None, {})
     stats = press.stats[0]
     if stats.positions is None:

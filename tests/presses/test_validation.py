@@ -53,7 +53,7 @@ def test_stride_1_with_a_positive_ratio_is_refused(cls, kwargs):
     assert cls(compression_ratio=0.0, stride=1, **kwargs).k == 1  # no compression asked: allowed, as at any stride
 
 
-@pytest.mark.parametrize("name,value", [("share_heads", "yes"), ("residual", "keep"), ("pool_window", 4),
+@pytest.mark.parametrize("name,value", [("residual", "keep"), ("pool_window", 4),
                                         ("recent", 1.5), ("weighting", "max"), ("rope", "end")])
 def test_phase_aware_switches(name, value):
     with pytest.raises(ValueError, match=name):

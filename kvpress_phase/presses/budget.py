@@ -1,0 +1,188 @@
+"""Budgets over the model for :class:`~kvpress_phase.PhaseAwarePress`, as wrappers (as kvpress's ``AdaKVPress(press)``).
+
+``PhaseAwarePress`` alone keeps the same number of raw tokens in every layer and KV head (``n_windows * k``), the
+KV heads of a layer sharing one choice. A wrapper keeps the same total but spends it by score:
+
+- :class:`HeadBudgetPress`: across the KV heads of each layer (each head its own tokens; a layer is stored at its
+  longest head and the shorter heads' padding is masked while decoding, as kvpress's ``AdaKVPress`` masks);
+- :class:`LayerBudgetPress`: across the layers (each layer dense at its own length, the heads sharing their
+  tokens: the entries saved free memory);
+- :class:`GlobalBudgetPress`: across layers and KV heads together (KVzip's shape; masked like the per-head one).
+
+A budget across layers needs every layer's scores before any layer is compressed, so such a wrapper compresses when
+the prefill has finished (:attr:`plans_across_layers`), and it needs scores that compare between layers: KeyDiff's
+cosine similarities are scale-free but rank layers poorly; the learned KVzip+ surrogate (``scorer="kvzap"``,
+:mod:`kvpress_phase.presses.learned_scorer`) predicts one log score on one scale for every layer. Results:
+``RESULTS.md``.
+
+    press = LayerBudgetPress(PhaseAwarePress(0.5, scorer="kvzap"))
+    pipe(context, question=question, press=press)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from kvpress import BasePress
+from torch import nn
+
+from kvpress_phase.phase import WindowLayout, check_number
+from kvpress_phase.presses.base import _compress_after_prefill
+from kvpress_phase.presses.choice import spread_budget
+from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
+from kvpress_phase.presses.scorers import token_scores
+
+
+@dataclass
+class BudgetPress(BasePress):
+    """Common frame of the budget wrappers (see the module docstring); not used directly.
+
+    Parameters
+    ----------
+    press : PhaseAwarePress
+        The press whose raw-token budget is spread (``residual="drop"``); its ratio, stride, scorer and protection
+        are used as they are.
+    floor : float, default 0.0
+        Every unit (a layer, or a KV head) first keeps its ``floor`` share of the even budget, its best tokens; the
+        rest goes by score. In ``[0, 1]``; ``HeadBudgetPress(press, floor=1.0)`` is each head's own even budget.
+    """
+
+    press: PhaseAwarePress = None
+    floor: float = 0.0
+    _plan: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    across_layers: ClassVar[bool] = False
+    """Whether the budget is spread across layers (compressing after the prefill)."""
+    per_head: ClassVar[bool] = False
+    """Whether each KV head chooses its own tokens (the shorter heads' padding is masked)."""
+
+    def __post_init__(self):
+        name = type(self).__name__
+        if not isinstance(self.press, PhaseAwarePress):
+            raise ValueError(f"{name} spreads a PhaseAwarePress's budget: press must be a PhaseAwarePress, got "
+                             f"{type(self.press).__name__}")
+        if self.press.residual != "drop":
+            raise ValueError(f"{name} spreads a raw-token budget by score, which needs the press's residual='drop' "
+                             f"(got residual={self.press.residual!r})")
+        check_number("floor", self.floor, 0, 1, integer=False)
+
+    # ------------------------------------------------------------------ what the press's users read
+    @property
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    @compression_ratio.setter
+    def compression_ratio(self, value: float) -> None:
+        self.press.compression_ratio = value
+
+    @property
+    def scorer(self):
+        return self.press.scorer
+
+    @property
+    def stats(self) -> dict:
+        """The wrapped press's per-layer record (:class:`~kvpress_phase.presses.stats.LayerStats`)."""
+        return self.press.stats
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.press.needs_scores
+
+    @property
+    def plans_across_layers(self) -> bool:
+        """Whether every layer's scores are needed before any layer is compressed."""
+        return self.across_layers and self.press.compression_ratio > 0
+
+    def post_init_from_model(self, model):
+        self.press.post_init_from_model(model)
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        """kvpress's context manager; a budget across layers compresses when the prefill has finished."""
+        if not self.plans_across_layers and not getattr(self.press.scorer, "needs_context", False):
+            with BasePress.__call__(self, model):
+                yield
+            return
+        with _compress_after_prefill(self, model):
+            yield
+
+    # ------------------------------------------------------------------ the budget
+    def plan(self, layers) -> None:
+        """Decide each layer's raw-token counts from every layer's scores (budgets across layers), before any layer
+        is compressed. ``layers`` yields ``(module, hidden_states, keys, values, attentions, kwargs)`` per layer, what
+        :meth:`compress` receives; each count is used by the next :meth:`compress` of its layer, once."""
+        self._plan = {}
+        if not self.plans_across_layers:
+            return
+        units, budgets, owners = [], [], []
+        for module, hidden_states, keys, values, attentions, kwargs in layers:
+            if keys.shape[0] != 1:
+                raise ValueError(f"{type(self).__name__} plans one context at a time (batch 1), got batch "
+                                 f"{keys.shape[0]}")
+            layout = self.press.layout_for(module, keys)
+            if layout.n_windows == 0:
+                continue
+            scores = token_scores(self.press.scorer, module, hidden_states, keys, values, attentions, kwargs)
+            win = scores.float()[0].gather(1, layout.window_positions()[0].flatten(1))  # (heads, window tokens)
+            units.append(win if self.per_head else win.mean(dim=0, keepdim=True))
+            budgets.append(layout.n_windows * layout.k)
+            owners.append((getattr(module, "layer_idx", 0), keys.shape[2]))
+        for owner, counts in zip(owners, spread_budget(units, budgets, self.floor)):
+            self._plan[owner] = counts
+
+    def counts(self, module: nn.Module, scores: torch.Tensor, layout: WindowLayout):
+        """How many window tokens each row of this layer keeps raw: one count, or a ``(batch, heads)`` tensor."""
+        even = layout.n_windows * layout.k
+        if not self.across_layers:  # across the KV heads of this layer
+            win = scores.float().gather(2, layout.window_positions().flatten(2))  # (batch, heads, window tokens)
+            return torch.stack([spread_budget([row], [even], self.floor)[0] for row in win])
+        owner = (getattr(module, "layer_idx", 0), layout.seq_len)
+        if owner not in self._plan:
+            raise ValueError(
+                f"{type(self).__name__} spends its budget across layers, so it needs every layer's scores before "
+                "compressing any: use it on its own (pipeline(..., press=...) compresses when the prefill has "
+                "finished); inside ComposedPress, PerLayerWindowedPress or WindowedDecodingPress it cannot see the "
+                "other layers"
+            )
+        counts = self._plan.pop(owner).to(scores.device)
+        return counts[None] if self.per_head else int(counts[0])
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        with self.press.spending(self):
+            return self.press.compress(module, hidden_states, keys, values, attentions, kwargs)
+
+
+@dataclass
+class HeadBudgetPress(BudgetPress):
+    """Each layer's raw-token budget spread by score across its KV heads (each head its own tokens; the padding of
+    shorter heads is masked while decoding). ``floor=1.0``: every head its own best ``n_windows * k`` tokens."""
+
+    per_head: ClassVar[bool] = True
+
+
+@dataclass
+class LayerBudgetPress(BudgetPress):
+    """One raw-token budget for the whole model, spread by score across layers (the KV heads of a layer share their
+    tokens; every layer is dense at its own length, so the entries saved free memory)."""
+
+    across_layers: ClassVar[bool] = True
+
+
+@dataclass
+class GlobalBudgetPress(BudgetPress):
+    """One raw-token budget for the whole model, spread by score across layers and KV heads together (KVzip's shape;
+    a layer is stored at its longest head and the shorter heads' padding is masked while decoding)."""
+
+    across_layers: ClassVar[bool] = True
+    per_head: ClassVar[bool] = True
+
+
+def budget_of(press) -> str:
+    """The name of the budget wrapper ``press`` is (for error messages), or ``""``."""
+    return type(press).__name__ if isinstance(press, BudgetPress) else ""
+
+
+__all__ = ["BudgetPress", "HeadBudgetPress", "LayerBudgetPress", "GlobalBudgetPress", "budget_of"]
