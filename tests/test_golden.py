@@ -39,16 +39,19 @@ def reshaped(fields: dict) -> dict:
     - PhaseAwarePress's per-window budgets (``budget="window"``/``"window_topk"``) are ``StaggeredWindowPress``,
       which has no ``pool_window`` or ``recent`` (row-budget settings: at their defaults there);
     - under its row budget (now its only one) PhaseAwarePress's window and grid fields did nothing: dropped;
-    - PhaseAwarePress gained ``allocate`` and ``floor`` (a budget spread across layers or heads) after the golden
-      files were written: a configuration without them has their defaults, the even budget it always had.
+    - PhaseAwarePress's ``allocate``, ``floor`` and ``share_heads`` became budget wrappers around it
+      (:data:`BUDGET_WRAPPERS`; ``share_heads=False`` alone is ``HeadBudgetPress(floor=1.0)``, each head its own
+      even budget), and a configuration written before ``allocate`` existed has the even budget it always had;
+    - ``KVzipScorer`` gained ``kvzip_plus_normalization`` (KVzip+'s scores), False for every earlier one.
     """
     out = dict(fields)
     if "decoding" in out:
         assert out.pop("decoding") == "False"
-    if out["class"] == "PhaseAwarePress" and "allocate" not in out and out.get("budget", "'row'") == "'row'":
-        out.update(allocate="'even'", floor="0.0")
+    scorer = out.get("scorer")
+    if isinstance(scorer, dict) and scorer["class"] == "KVzipScorer" and "kvzip_plus_normalization" not in scorer:
+        out["scorer"] = {**scorer, "kvzip_plus_normalization": "False"}
     if out["class"] != "PhaseAwarePress" or "budget" not in out:
-        return out
+        return _wrapped(out)
     assert (out.pop("span"), out.pop("span_pool")) == ("0", "'max'")
     budget = out.pop("budget")
     if budget in ("'window'", "'window_topk'"):
@@ -58,7 +61,22 @@ def reshaped(fields: dict) -> dict:
     for name, only in ROW_NO_OPS.items():
         value = out.pop(name)
         assert only is None or value == only, (name, value)
-    return out
+    return _wrapped(out)
+
+
+BUDGET_WRAPPERS = {"'heads'": "HeadBudgetPress", "'layers'": "LayerBudgetPress", "'layers_heads'": "GlobalBudgetPress"}
+
+
+def _wrapped(out: dict) -> dict:
+    """A PhaseAwarePress configuration with ``allocate``/``floor``/``share_heads`` as the budget wrapper it is now."""
+    if out["class"] != "PhaseAwarePress":
+        return out
+    allocate, floor = out.pop("allocate", "'even'"), out.pop("floor", "0.0")
+    share_heads = out.pop("share_heads", "True")
+    if allocate == "'even'":
+        assert floor in ("0.0", "0"), floor  # no floor without a budget spread by score
+        return out if share_heads == "True" else {"class": "HeadBudgetPress", "press": out, "floor": "1.0"}
+    return {"class": BUDGET_WRAPPERS[allocate], "press": out, "floor": floor}
 
 
 def test_every_documented_spec_builds_its_golden_configuration():
