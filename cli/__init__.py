@@ -8,7 +8,7 @@
 Bad input exits with code 2 and a one-line message; `train --max-minutes` exits with code 3 when it pauses
 (rerun the same command to resume).
 
-This package only composes the commands: ``eval``, ``audit``, ``report`` and ``list`` are evaluation's
+This package only composes the commands: ``eval``, ``audit``, ``report``, ``pack`` and ``list`` are evaluation's
 (:mod:`kvpress_phase.evaluation.cli`), ``train`` and ``train-scorer`` are training's
 (:mod:`kvpress_phase.training.cli`, :mod:`kvpress_phase.training.scorer_cli`). Nothing in
 the package imports it, so that evaluation stays below training (``tests/test_import_layers.py``).
@@ -29,6 +29,7 @@ EXAMPLES = """examples:
       --output-dir outputs/sweep
   kvpress-phase audit chunkkv,chunk:scorer=keydiff --model smollm2 --output-dir outputs/audit
   kvpress-phase report outputs/sweep outputs/phase-eval --output-dir outputs/merged
+  kvpress-phase pack outputs/sweep   finished runs stored compactly (one Parquet file of every answer)
   kvpress-phase list      task, press and model names the flags accept
   kvpress-phase train --recipe chunked --output-dir outputs/models/chunked
   kvpress-phase train-scorer --model smollm2 --output-dir outputs/scorers/smollm2
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(prog="kvpress-phase", description=DESCRIPTION, epilog=EXAMPLES,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{eval,audit,report,list,train,train-scorer}",
+    sub = parser.add_subparsers(dest="command", metavar="{eval,audit,report,pack,list,train,train-scorer}",
                                 parser_class=Parser)
     sub.required = True
     evaluation_cli.add_commands(sub)

@@ -1,4 +1,4 @@
-"""The evaluation commands of ``kvpress-phase``: ``eval``, ``audit``, ``report`` and ``list``.
+"""The evaluation commands of ``kvpress-phase``: ``eval``, ``audit``, ``report``, ``pack`` and ``list``.
 
     kvpress-phase eval            # quick phase sweep on the built-in model, both presses and the baselines
     kvpress-phase eval --tasks niah_single,qa_single_doc --strides 4,8,16 --compression-ratios 0.5,0.75
@@ -57,7 +57,7 @@ DESCRIPTION = ("Phase evaluation of chunked KV-cache compression for kvpress: ho
                "answer falls in the compression windows, for ChunkedStridePress, PhaseAwarePress and kvpress's\n"
                "own presses.")
 """The description of ``kvpress-phase`` (its examples, with ``train``, are in :mod:`kvpress_phase.cli`)."""
-COMMANDS = ("eval", "report", "audit", "list")
+COMMANDS = ("eval", "report", "pack", "audit", "list")
 """The commands :func:`add_commands` adds, in that order."""
 
 
@@ -91,7 +91,7 @@ def add_commands(sub) -> None:
                     help=f"comma-separated task names (default: {','.join(quick['tasks'])}; see `kvpress-phase list`)")
     ev.add_argument("--presses", type=csv_list(str, "--presses"), default=quick["presses"],
                     help="comma-separated press names, each optionally with :key=value settings for our presses, "
-                         "e.g. phase_aware:stagger=none (default: all registered presses and chunked_stride:mode=pool)")
+                         "e.g. phase_aware:residual=pool (default: all registered presses and chunked_stride:mode=pool)")
     ev.add_argument("--compression-ratios", type=csv_list(float, "--compression-ratios"),
                     default=quick["compression_ratios"], help="comma-separated ratios in [0, 1) (default: 0.25)")
     ev.add_argument("--strides", type=csv_list(int, "--strides"), default=quick["strides"],
@@ -161,6 +161,16 @@ def add_commands(sub) -> None:
                     help="where the merged report goes: a folder other than the runs read, which are never written")
     rp.add_argument("--bootstrap", type=int_at_least(MIN_BOOTSTRAP, "--bootstrap"), default=2000,
                     help=f"bootstrap resamples for fractional scores, >= {MIN_BOOTSTRAP} (default: 2000)")
+
+    pk = sub.add_parser("pack", help="store finished runs compactly: every answer in one Parquet file",
+                        description="Pack each finished `kvpress-phase eval` run: every field of every answer of "
+                                    "its JSON-lines shards into results/answers.parquet, read back and compared with "
+                                    "the shards, then the shards and the merged results.csv removed (about a tenth "
+                                    "of the size). report, the study scripts and pandas read packed runs; eval does "
+                                    "not resume into one.")
+    pk.add_argument("runs", nargs="+", help="output directories of finished `kvpress-phase eval` runs")
+    pk.add_argument("--incomplete", action="store_true",
+                    help="pack a run that holds fewer answers than it planned (abandoned on purpose)")
 
     au = sub.add_parser("audit", help="phase audit of any press: does its accuracy depend on where the needle falls "
                                       "in its chunks?", description=AUDIT_DESCRIPTION,
@@ -460,10 +470,25 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_pack(args) -> int:
+    from .store import pack_run
+
+    for run in args.runs:
+        try:
+            done = pack_run(run, incomplete=args.incomplete)
+        except ValueError as exc:  # nothing of that run was changed; the runs before it are packed
+            raise UsageError(str(exc)) from None
+        print(f"{run}: {done.answers} answers packed, {done.shard_bytes / 2**20:.1f} MiB of shards -> "
+              f"{done.packed_bytes / 2**20:.2f} MiB ({os.path.join(run, 'results', 'answers.parquet')})")
+    return 0
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run one of :data:`COMMANDS` from parsed flags; the exit code (:class:`UsageError` for bad input)."""
     if args.command == "list":
         return _cmd_list()
+    if args.command == "pack":
+        return _cmd_pack(args)
     if args.command == "report":
         return _cmd_report(args)
     if args.command == "audit":

@@ -59,8 +59,8 @@ from .config import (SETTINGS, EvalConfig, WorkUnit, check_context_lengths, chec
 from .presses import build_press, prefill_reads
 from .prompting import check_tokenizer
 from .replay import ATTENTIONS, HIDDEN_STATES, OFFLOAD_CHOICES, Prefill, ReplayEngine, cache_fingerprint
-from .store import (RESULTS_DIR, OutputDirInUse, ShardWarning, _read_shard, lock_path, output_lock, read_results,
-                    record_key, removed_if_failed_empty)
+from .store import (PACKED, RESULTS_DIR, OutputDirInUse, ShardWarning, _read_shard, lock_path, output_lock,
+                    packed_path, read_results, record_key, removed_if_failed_empty)
 from .tasks import score
 
 __all__ = [  # the run, and the names other code imports from here (defined in .config, .replay and .store)
@@ -107,6 +107,9 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
 def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, progress, max_units, offload):
     from tqdm.auto import tqdm
 
+    if os.path.exists(packed_path(output_dir)):
+        raise ValueError(f"--output-dir {output_dir!r} holds a packed run ({PACKED}, `kvpress-phase pack`): it is "
+                         "finished and not resumed; use another --output-dir")
     os.makedirs(os.path.join(output_dir, RESULTS_DIR), exist_ok=True)
     config_path = os.path.join(output_dir, "config.json")
     saved = {"config": dataclasses.asdict(config), "fingerprint": config.fingerprint()}

@@ -1,5 +1,10 @@
 """The answer store: results shards (one JSONL file per rank under ``<output_dir>/results/``), how they are read
-and resumed, and the operating-system lock that keeps one writer per shard (see :mod:`.runner`'s docstring).
+and resumed, the packed form of a finished run (``results/answers.parquet``, :func:`pack_run`), and the
+operating-system lock that keeps one writer per shard (see :mod:`.runner`'s docstring).
+
+A run in progress appends to its JSON-lines shards (crash-safe, resumable); a finished run is packed once into one
+Parquet file that holds every field of every answer (read with pandas, pyarrow or
+``datasets.load_dataset("parquet", data_files=...)``), about a tenth of the shards' size. Readers read both.
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ import pandas as pd
 from .config import SETTINGS
 
 RESULTS_DIR = "results"
+PACKED = "answers.parquet"
+"""The packed answers of a finished run, in ``<output_dir>/results/`` (:func:`pack_run`)."""
+
+
+def packed_path(output_dir: str) -> str:
+    return os.path.join(output_dir, RESULTS_DIR, PACKED)
 
 
 # ------------------------------------------------------------------------------------------------ shards
@@ -90,10 +101,11 @@ def read_results(output_dir: str) -> pd.DataFrame:
     """All shards of a run, deduplicated by example key and sorted deterministically.
 
     Read only: the shards are never changed. A line that holds no record is skipped with a :class:`ShardWarning`
-    naming the file and line (see :func:`_read_shard` for the rule on a last line without a newline).
+    naming the file and line (see :func:`_read_shard` for the rule on a last line without a newline). A packed run's
+    answers (:func:`pack_run`) are read from its Parquet file.
     """
     folder = os.path.join(output_dir, RESULTS_DIR)
-    records = []
+    records = _read_packed(packed_path(output_dir))
     if os.path.isdir(folder):
         for name in sorted(os.listdir(folder)):
             if name.endswith(".jsonl"):
@@ -108,6 +120,98 @@ def read_results(output_dir: str) -> pd.DataFrame:
              "press", "compression_ratio"]
     df["window_sort"] = df["window"].astype(float).fillna(0.0)
     return df.sort_values(order, kind="stable").drop(columns="window_sort").reset_index(drop=True)
+
+
+def _read_packed(path: str) -> list[dict]:
+    """The records of a packed run (a field a record did not have reads as None, as a null it held does)."""
+    if not os.path.exists(path):
+        return []
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def _shard_paths(output_dir: str) -> list[str]:
+    folder = os.path.join(output_dir, RESULTS_DIR)
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".jsonl")) \
+        if os.path.isdir(folder) else []
+
+
+def _same(a, b) -> bool:
+    """Equal values as JSON holds them (NaN equals NaN; lists and dicts element by element; a field missing from
+    one dict equals a null in the other, which Parquet cannot tell apart)."""
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):  # a missing field is a null
+        return all(_same(a.get(k), b.get(k)) for k in a.keys() | b.keys())
+    return type(a) is type(b) and a == b
+
+
+@dataclasses.dataclass
+class Packed:
+    """What :func:`pack_run` did: answers packed, shard bytes before, Parquet bytes after, files removed."""
+
+    answers: int
+    shard_bytes: int
+    packed_bytes: int
+    removed: list
+
+
+def pack_run(output_dir: str, *, incomplete: bool = False) -> Packed:
+    """Pack a finished run: every record of every shard (duplicates included, in shard order) into
+    ``results/answers.parquet``, read back and compared field by field with the shards, and only then the shards and
+    the merged ``results.csv`` (which ``results.parquet`` duplicates) removed.
+
+    ValueError, leaving everything as it was, for a folder without shards, a shard with an unreadable line (it
+    would be lost), a run already packed, a run holding fewer answers than it planned (unless ``incomplete``: a run
+    abandoned on purpose), a record that Parquet cannot hold exactly, or a folder another process is writing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if os.path.exists(packed_path(output_dir)):
+        raise ValueError(f"{output_dir!r} is packed already ({packed_path(output_dir)})")
+    shards = _shard_paths(output_dir)
+    if not shards:
+        raise ValueError(f"{output_dir!r} holds no results shards (results/*.jsonl) to pack")
+    with output_lock(output_dir), warnings.catch_warnings():
+        warnings.simplefilter("error", ShardWarning)  # an unreadable line would be lost: refuse instead
+        try:
+            records = [r for path in shards for r in _read_shard(path)]
+        except ShardWarning as exc:
+            raise ValueError(f"{exc}; pack keeps every line, so it packs only shards without unreadable lines") \
+                from None
+        config = saved_config(output_dir)
+        planned = _planned(config) if config is not None else None
+        answers = len({r["key"] for r in records})
+        if planned is not None and answers < planned and not incomplete:
+            raise ValueError(f"{output_dir!r} holds {answers} of {planned} planned answers: resume it with its "
+                             "`kvpress-phase eval` command first, or pack it as it is with --incomplete")
+        target = packed_path(output_dir)
+        tmp = target + ".tmp"
+        try:
+            table = pa.Table.from_pylist(records)
+            pq.write_table(table, tmp, compression="zstd")
+            back = _read_packed(tmp)
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise ValueError(f"{output_dir!r}: its records cannot be packed as they are ({exc})") from None
+        bad = next((i for i, (a, b) in enumerate(zip(records, back)) if not _same(a, b)), None)
+        if len(back) != len(records) or bad is not None:
+            os.remove(tmp)
+            where = f"record {bad} ({records[bad]['key']})" if bad is not None else "the record count"
+            raise ValueError(f"{output_dir!r}: the packed answers differ from the shards at {where}; nothing removed")
+        os.replace(tmp, target)
+        size = sum(os.path.getsize(p) for p in shards)
+        removed = list(shards)
+        merged_csv = os.path.join(output_dir, "results.csv")
+        if os.path.exists(merged_csv):
+            removed.append(merged_csv)
+        for path in removed:
+            os.remove(path)
+    return Packed(len(records), size, os.path.getsize(target), removed)
 
 
 # ------------------------------------------------------------------------------------------------ merging runs
