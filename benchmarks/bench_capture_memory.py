@@ -241,7 +241,7 @@ def main(argv=None) -> int:
                 fh.write(text + "\n")
         return 0 if exact else 1
 
-    from kvpress_phase.evaluation.runner import ReplayEngine
+    from kvpress_phase.evaluation.replay import ReplayEngine
     from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
     _return_freed_memory()

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
 
     from kvpress_phase import load_builtin_model
     from kvpress_phase.evaluation.presses import build_press, parse_press_spec
-    from kvpress_phase.evaluation.runner import ReplayEngine
+    from kvpress_phase.evaluation.replay import ReplayEngine
     from kvpress_phase.evaluation.tasks import generate
 
     try:

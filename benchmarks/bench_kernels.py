@@ -13,7 +13,7 @@ memory-bound op can hope for). Effective bandwidth = (bytes an op must read + by
 reads the tokens it uses (every token for pool, the raw and selected ones for select), the scores when it uses
 them, and writes the compressed keys, values and int64 positions.
 
-Only torch, triton and ``kvpress_phase.kernels`` / ``kvpress_phase.phase`` are imported (no kvpress, no
+Only torch, triton and ``kvpress_phase.kernels`` / ``kvpress_phase.core.phase`` are imported (no kvpress, no
 transformers). ``--device cpu`` times the reference path only: the Triton kernels need a CUDA device.
 
     python benchmarks/bench_kernels.py                               # GPU: N = 8k, 32k, 128k, bfloat16
@@ -33,7 +33,7 @@ import time
 import torch
 
 from kvpress_phase import kernels
-from kvpress_phase.phase import WindowLayout, kept_per_window
+from kvpress_phase.core.phase import WindowLayout, kept_per_window
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -47,7 +47,9 @@ def main(argv=None) -> int:
 
     from kvpress_phase import load_builtin_model
     from kvpress_phase.evaluation.presses import build_press, parse_press_spec
-    from kvpress_phase.evaluation.runner import EvalConfig, ReplayEngine, run_evaluation
+    from kvpress_phase.evaluation.config import EvalConfig
+    from kvpress_phase.evaluation.replay import ReplayEngine
+    from kvpress_phase.evaluation.runner import run_evaluation
     from kvpress_phase.evaluation.tasks import generate
 
     model, tokenizer = load_builtin_model(name=args.model)

@@ -65,7 +65,7 @@ def step_parity(ctx):
         return {"pytest": summary}
 
     from kvpress_phase import kernels
-    from kvpress_phase.phase import WindowLayout
+    from kvpress_phase.core.phase import WindowLayout
 
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 2, 100, 16, generator=g), torch.randn(2, 2, 100, 16, generator=g)
@@ -145,7 +145,7 @@ def step_pipeline(ctx):
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
     from kvpress_phase.evaluation.tasks import generate
     from kvpress_phase.evaluation.tokenizer import build_tokenizer
-    from kvpress_phase.phase import kept_per_window
+    from kvpress_phase.core.phase import kept_per_window
 
     small, device = ctx["small"], ctx["device"]
     n_tokens = 128 if small else 8192

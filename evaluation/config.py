@@ -156,7 +156,7 @@ def config_differences(saved: dict, config: EvalConfig) -> list[tuple[str, str, 
 def duplicate_k(ratios, strides) -> Optional[str]:
     """A message when two of ``ratios`` keep the same number of entries per window at one of ``strides`` (the sweep
     would run one configuration twice under two names), else None."""
-    from kvpress_phase.phase import kept_per_window
+    from kvpress_phase.core.phase import kept_per_window
 
     for stride in strides:
         seen: dict = {}

@@ -416,7 +416,7 @@ def matched_ratio(context_length: int, stride: int, compression_ratio: float) ->
     per chunk fewer: 768 against 779 at 1,024 tokens, stride 20, ratio 0.25, where its counts jump from 768 to 819),
     ``ChunkKVPress`` whole chunks; the runner records the entries each answer had (``cache_length``)."""
     from kvpress_phase import ChunkedStridePress
-    from kvpress_phase.phase import compressed_length
+    from kvpress_phase.core.phase import compressed_length
 
     ref = ChunkedStridePress(compression_ratio, stride=stride)
     kept = compressed_length(context_length, stride, compression_ratio, ref.n_sink, ref.n_local)

@@ -20,7 +20,7 @@ Results are appended to ``<output_dir>/results/results-rank<r>.jsonl`` one examp
 config in ``<output_dir>/config.json``. A run restarted with the same arguments skips the examples already in the
 shards, so nothing is lost or duplicated: a torn last line (a write cut short, no newline) is moved to
 ``results-rank<r>.jsonl.cut`` and its example run again, and any other unreadable line is skipped with a warning
-naming the file and line but left in place (:func:`.store._read_shard`). Reading results
+naming the file and line but left in place (:func:`.store.read_shard`). Reading results
 (:func:`.store.read_results`, ``kvpress-phase report``) never changes a shard. One process writes each shard: a run
 holds an operating-system lock on ``<output_dir>/.kvpress-phase-rank<r>.lock`` (:func:`.store.output_lock`) and a
 second run into the same directory is refused; the lock dies with its process, so a killed run never blocks a
@@ -54,23 +54,15 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from .config import (SETTINGS, EvalConfig, WorkUnit, check_context_lengths, check_model, config_differences,
-                     duplicate_k, plan_units, variants)
+from .config import SETTINGS, EvalConfig, WorkUnit, check_model, config_differences, plan_units, variants
 from .presses import build_press, prefill_reads
 from .prompting import check_tokenizer
-from .replay import ATTENTIONS, HIDDEN_STATES, OFFLOAD_CHOICES, Prefill, ReplayEngine, cache_fingerprint
-from .store import (PACKED, RESULTS_DIR, OutputDirInUse, ShardWarning, _read_shard, lock_path, output_lock,
-                    packed_path, read_results, record_key, removed_if_failed_empty)
+from .replay import Prefill, ReplayEngine, cache_fingerprint
+from .store import (PACKED, RESULTS_DIR, OutputDirInUse, output_lock, packed_path, read_results, read_shard, record_key,
+                    removed_if_failed_empty)
 from .tasks import score
 
-__all__ = [  # the run, and the names other code imports from here (defined in .config, .replay and .store)
-    "run_evaluation", "prefill_prompt", "distributed_state",
-    "SETTINGS", "EvalConfig", "WorkUnit", "check_context_lengths", "check_model", "duplicate_k", "plan_units",
-    "variants",
-    "ATTENTIONS", "HIDDEN_STATES", "OFFLOAD_CHOICES", "Prefill", "ReplayEngine", "cache_fingerprint",
-    "RESULTS_DIR", "OutputDirInUse", "ShardWarning", "lock_path", "output_lock", "read_results", "record_key",
-    "removed_if_failed_empty",
-]
+__all__ = ["run_evaluation", "prefill_prompt", "distributed_state"]
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -130,7 +122,7 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
             json.dump(saved, fh, indent=2)
 
     shard_path = os.path.join(output_dir, RESULTS_DIR, f"results-rank{rank}.jsonl")
-    done = {r["key"] for r in _read_shard(shard_path, resume=True)}  # cuts a torn last line into <shard>.cut
+    done = {r["key"] for r in read_shard(shard_path, resume=True)}  # cuts a torn last line into <shard>.cut
     units = plan_units(config, tokenizer)
     if config.protocol == "offset":  # the same text at every stride: the strides of a sample share one prefill
         units = sorted(units, key=lambda u: (u.task, u.context_length, u.sample_id))

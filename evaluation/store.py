@@ -43,7 +43,7 @@ def _parse_record(raw: bytes) -> Optional[dict]:
     return record if isinstance(record, dict) and isinstance(record.get("key"), str) else None
 
 
-def _read_shard(path: str, *, resume: bool = False) -> list[dict]:
+def read_shard(path: str, *, resume: bool = False) -> list[dict]:
     """The records of a JSONL shard: every line that holds a JSON object with a ``key``.
 
     Any other line (not JSON, not an object, no key) is skipped, and the file's skipped lines are named by path
@@ -101,7 +101,7 @@ def read_results(output_dir: str) -> pd.DataFrame:
     """All shards of a run, deduplicated by example key and sorted deterministically.
 
     Read only: the shards are never changed. A line that holds no record is skipped with a :class:`ShardWarning`
-    naming the file and line (see :func:`_read_shard` for the rule on a last line without a newline). A packed run's
+    naming the file and line (see :func:`read_shard` for the rule on a last line without a newline). A packed run's
     answers (:func:`pack_run`) are read from its Parquet file.
     """
     folder = os.path.join(output_dir, RESULTS_DIR)
@@ -109,7 +109,7 @@ def read_results(output_dir: str) -> pd.DataFrame:
     if os.path.isdir(folder):
         for name in sorted(os.listdir(folder)):
             if name.endswith(".jsonl"):
-                records.extend(_read_shard(os.path.join(folder, name)))
+                records.extend(read_shard(os.path.join(folder, name)))
     if not records:
         return pd.DataFrame()
     df = pd.DataFrame(records).drop_duplicates("key", keep="first")
@@ -178,7 +178,7 @@ def pack_run(output_dir: str, *, incomplete: bool = False) -> Packed:
     with output_lock(output_dir), warnings.catch_warnings():
         warnings.simplefilter("error", ShardWarning)  # an unreadable line would be lost: refuse instead
         try:
-            records = [r for path in shards for r in _read_shard(path)]
+            records = [r for path in shards for r in read_shard(path)]
         except ShardWarning as exc:
             raise ValueError(f"{exc}; pack keeps every line, so it packs only shards without unreadable lines") \
                 from None

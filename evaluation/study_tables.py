@@ -18,7 +18,7 @@ import pandas as pd
 
 from kvpress_phase.evaluation.metrics import holm
 from kvpress_phase.evaluation.store import read_results
-from kvpress_phase.phase import group_bounds, kept_per_window
+from kvpress_phase.core.phase import group_bounds, kept_per_window
 
 ROOT = "outputs/study-training"
 MODELS = ["builtin", "chunked"]

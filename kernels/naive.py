@@ -5,7 +5,7 @@ floating-point tolerance). They are also the path every press takes where Triton
 not on a GPU.
 
 Both ops take keys and values of shape ``(batch, heads, seq_len, head_dim)`` and a
-:class:`~kvpress_phase.phase.WindowLayout`, and return a :class:`Compressed` triple whose tensors have
+:class:`~kvpress_phase.core.phase.WindowLayout`, and return a :class:`Compressed` triple whose tensors have
 ``layout.compressed_length`` entries: the raw tokens before the first window, ``k`` entries per window, then
 the raw tokens after the last window, in that order (so entries stay sorted by position).
 """
@@ -196,7 +196,7 @@ def pool_windows(
     """Merge every window into ``k`` entries.
 
     Entry ``g`` of a window pools the slots ``[lo[g], hi[g])`` given by
-    :func:`~kvpress_phase.phase.group_bounds` (contiguous groups when ``window == stride``; groups twice as
+    :func:`~kvpress_phase.core.phase.group_bounds` (contiguous groups when ``window == stride``; groups twice as
     long, every token in two entries, when ``window == 2 * stride``). Inside a group, tokens are weighted
     uniformly (``weighting="mean"``) or by the softmax of their scores over the group (``"score"``). Values are
     the weighted mean of the group's values. Keys:

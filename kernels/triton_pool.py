@@ -1,7 +1,7 @@
 """Fused Triton kernel for pooling: merge every window into ``k`` entries, optionally RoPE-aware.
 
 Triton version of :func:`.naive.pool_windows`, within floating-point tolerance. For each of the ``k`` groups
-(bounds from :func:`~kvpress_phase.phase.group_bounds`), a program walks the group's slots in chunks of ``BL``
+(bounds from :func:`~kvpress_phase.core.phase.group_bounds`), a program walks the group's slots in chunks of ``BL``
 (two extra passes over the scores for the softmax when weighting by score), turns the keys back to the window
 start in float32 (angles ``(position - window_start) * inv_freq`` computed in the kernel, as the reference does,
 so precision does not degrade with position; the rotary halves and the untouched rest of a partial-rotary head

@@ -2,26 +2,16 @@
 
 The presses need kvpress (and therefore transformers); the phase arithmetic and the kernels need only torch.
 Attributes are imported lazily so that ``import kvpress_phase.kernels`` works on a machine that has torch and
-Triton but not kvpress.
+Triton but not kvpress. The sub-packages ``kvpress_phase.kernels``, ``.evaluation``, ``.training`` and ``.cli`` live in
+the top-level folders ``kernels/``, ``evaluation/``, ``training/`` and ``cli/`` (pyproject.toml maps them): work from a
+checkout through an editable install (``pip install -e .``), which imports every module by one path.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 
 __version__ = "0.1.0"
-
-# In a source checkout that was not installed, the sub-packages `kvpress_phase.kernels`, `kvpress_phase.evaluation`
-# and `kvpress_phase.training` live in the top-level folders `kernels/`, `evaluation/` and `training/`
-# (pyproject.toml maps them into this namespace when the package is installed). Make them importable from the
-# checkout too.
-_SOURCE_FOLDERS = ("kernels", "evaluation", "training")
-_here = os.path.dirname(os.path.abspath(__file__))
-_root = os.path.dirname(_here)
-if any(not os.path.isdir(os.path.join(_here, name)) and os.path.isfile(os.path.join(_root, name, "__init__.py"))
-       for name in _SOURCE_FOLDERS):
-    __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
 
 _LAZY = {
     "ChunkedStridePress": "kvpress_phase.presses.chunked_stride_press",
@@ -32,8 +22,8 @@ _LAZY = {
     "GlobalBudgetPress": "kvpress_phase.presses.budget",
     "StaggeredWindowPress": "kvpress_phase.presses.staggered_window_press",
     "WindowedDecodingPress": "kvpress_phase.presses.decoding",
-    "WindowLayout": "kvpress_phase.phase",
-    "phase_of": "kvpress_phase.phase",
+    "WindowLayout": "kvpress_phase.core.phase",
+    "phase_of": "kvpress_phase.core.phase",
     "builtin_model_path": "kvpress_phase.builtin",
     "load_builtin_model": "kvpress_phase.builtin",
     "BUILTIN_MODELS": "kvpress_phase.builtin",

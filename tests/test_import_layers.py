@@ -136,7 +136,7 @@ def test_the_rule_reports_an_import_of_training_from_evaluation(source, tmp_path
 def test_the_rule_lets_evaluation_import_its_own_and_shared_modules(tmp_path):
     dirs = package_dirs()
     path = tmp_path / "fine.py"
-    path.write_text("import torch\nfrom kvpress_phase.phase import phase_of\nfrom .arguments import csv_list\n"
+    path.write_text("import torch\nfrom kvpress_phase.core.phase import phase_of\nfrom .arguments import csv_list\n"
                     "from .tasks import base\nfrom kvpress_phase.evaluation import tasks\n")
     assert layer_violations("evaluation", "training", dirs, files=[(path, "kvpress_phase.evaluation.fine")]) == []
 
@@ -150,7 +150,7 @@ KERNEL_LAYERS = {"kernels": {"kernels", "kvpress_phase/core"}, "kvpress_phase/co
 
 def defining_folder(name: str, dirs: dict):
     """The folder, relative to the root, of the file that defines ``name`` (a module, or an attribute of one:
-    ``kvpress_phase.phase.WindowLayout`` is defined in ``kvpress_phase/``; a package in its own folder), or None
+    ``kvpress_phase.core.phase.WindowLayout`` is defined in ``kvpress_phase/core/``; a package in its own folder), or None
     when it is not one of ours."""
     parts = name.split(".")
     for n in range(len(parts), 0, -1):
@@ -190,12 +190,12 @@ def kernel_layer_violations(dirs: dict, files=None) -> list:
 
 
 def test_the_kernels_import_nothing_from_the_package_root_or_the_presses():
-    """No file in kernels/ imports the package root (``kvpress_phase.phase``, ``kvpress_phase.rope``, ...) or the
+    """No file in kernels/ imports the package root (``kvpress_phase.builtin``, ``kvpress_phase.model_cache``, ...) or the
     presses, and kvpress_phase/core/, which the kernels use, imports nothing else of ours."""
     dirs = package_dirs()
     assert defining_folder("kvpress_phase.kernels.naive", dirs) == "kernels"  # the mapping the rule relies on
     assert defining_folder("kvpress_phase.core.phase.WindowLayout", dirs) == "kvpress_phase/core"
-    assert defining_folder("kvpress_phase.phase", dirs) == "kvpress_phase"
+    assert defining_folder("kvpress_phase.builtin", dirs) == "kvpress_phase"
     checked = {defining_folder(module, dirs) for _, module in source_files("kernels", dirs)}
     checked |= {defining_folder(module, dirs) for _, module in source_files("kvpress_phase", dirs)}
     assert set(KERNEL_LAYERS) <= checked, "no files found in kernels/ or kvpress_phase/core/"
@@ -203,14 +203,14 @@ def test_the_kernels_import_nothing_from_the_package_root_or_the_presses():
 
 
 @pytest.mark.parametrize("source,module,folder", [
-    ("from kvpress_phase.phase import WindowLayout\n", "kvpress_phase.kernels.offender", "kvpress_phase"),
-    ("def f():\n    from kvpress_phase.rope import rotate\n", "kvpress_phase.kernels.offender", "kvpress_phase"),
+    ("from kvpress_phase.builtin import quiet_loading\n", "kvpress_phase.kernels.offender", "kvpress_phase"),
+    ("def f():\n    from kvpress_phase.model_cache import cache_root\n", "kvpress_phase.kernels.offender", "kvpress_phase"),
     ("from kvpress_phase import WindowLayout\n", "kvpress_phase.kernels.offender", "kvpress_phase"),
     ("from ..presses import base\n", "kvpress_phase.kernels.offender", "kvpress_phase/presses"),
     ("import kvpress_phase.presses.base\n", "kvpress_phase.kernels.offender", "kvpress_phase/presses"),
     ("from ..evaluation import runner\n", "kvpress_phase.kernels.offender", "evaluation"),
     ("from kvpress_phase.kernels import naive\n", "kvpress_phase.core.offender", "kernels"),
-    ("from ..phase import group_bounds\n", "kvpress_phase.core.offender", "kvpress_phase"),
+    ("from ..builtin import quiet_loading\n", "kvpress_phase.core.offender", "kvpress_phase"),
 ])
 def test_the_kernel_rule_reports_an_import_from_above(source, module, folder, tmp_path):
     path = tmp_path / "offender.py"
@@ -234,7 +234,7 @@ def test_importing_the_kernels_loads_neither_the_presses_nor_kvpress():
 
     code = ("import sys, kvpress_phase.kernels; print(' '.join(m for m in sys.modules if m.split('.')[0] in "
             "('kvpress', 'transformers') or m.startswith(('kvpress_phase.presses', 'kvpress_phase.evaluation', "
-            "'kvpress_phase.training')) or m in ('kvpress_phase.phase', 'kvpress_phase.rope')))")
+            "'kvpress_phase.training')) or m in ('kvpress_phase.builtin', 'kvpress_phase.model_cache')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == []

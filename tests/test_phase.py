@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress
-from kvpress_phase.phase import (WindowLayout, compressed_length, group_bounds, group_membership, kept_per_window,
+from kvpress_phase.core.phase import (WindowLayout, compressed_length, group_bounds, group_membership, kept_per_window,
                                  merge_period, n_windows, phase_of, ratio_mismatch, window_ratio)
 
 STRIDES = range(2, 33)

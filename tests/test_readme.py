@@ -28,7 +28,7 @@ def test_the_use_snippet_loads_its_model_and_data_first():
 @pytest.mark.slow
 def test_the_use_snippet_runs_on_the_built_in_model():
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
-    from kvpress_phase.phase import compressed_length
+    from kvpress_phase.core.phase import compressed_length
 
     namespace: dict = {}
     exec(compile(_use_snippet(), "README.md (Use)", "exec"), namespace)  # noqa: S102

@@ -20,7 +20,8 @@ import json
 import os
 
 from kvpress_phase.evaluation.metrics import summarize
-from kvpress_phase.evaluation.runner import EvalConfig, run_evaluation
+from kvpress_phase.evaluation.config import EvalConfig
+from kvpress_phase.evaluation.runner import run_evaluation
 from kvpress_phase.evaluation.tasks import TASKS
 
 RETRIEVAL_BAR_TASKS = ["niah_single", "niah_multikey", "niah_multiquery", "niah_multivalue"]

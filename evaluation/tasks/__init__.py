@@ -48,7 +48,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kvpress_phase.phase import phase_of
+from kvpress_phase.core.phase import phase_of
 
 from ..prompting import (
     check_tokenizer,

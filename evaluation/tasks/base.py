@@ -40,7 +40,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from kvpress_phase.phase import phase_of
+from kvpress_phase.core.phase import phase_of
 
 from ..prompting import encode_with_offsets, offsets_to_token_span
 from . import vocab

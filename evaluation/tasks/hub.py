@@ -41,7 +41,7 @@ import re
 import warnings
 from typing import Iterable, Optional, Sequence
 
-from kvpress_phase.phase import phase_of
+from kvpress_phase.core.phase import phase_of
 
 from ..prompting import check_tokenizer, encode_with_offsets
 from .base import EVAL_SEED_LIMIT, Placed, derive_seed, measure, phase_columns, single_token_words

@@ -11,7 +11,7 @@ compressed, and which raw tokens are left before and after them. Presses, kernel
 build their layouts here, so a phase means the same thing everywhere.
 
 Only torch is imported, so the kernels can use this module on a machine without kvpress. The public path is
-:mod:`kvpress_phase.phase`, which re-exports this module's public names.
+:mod:`kvpress_phase.core.phase`, which re-exports this module's public names.
 """
 
 from __future__ import annotations

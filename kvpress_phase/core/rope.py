@@ -8,7 +8,7 @@ is a rotation by ``-p``. Attention scaling factors (YaRN, LongRoPE) multiply eve
 preserved by these rotations.
 
 Only torch is imported here, so the kernels' references can use it without kvpress or transformers. The public
-path is :mod:`kvpress_phase.rope`, which re-exports it.
+path is :mod:`kvpress_phase.core.rope`, which re-exports it.
 """
 
 from __future__ import annotations

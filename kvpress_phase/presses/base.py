@@ -4,7 +4,7 @@ Every press here is a kvpress ``BasePress`` whose :meth:`WindowedPress.compress`
 
 1. **score** the tokens with ``scorer`` (skipped when the press needs no scores);
 2. **lay out** the windows (:meth:`WindowedPress.layout_for`: where each row's grid starts, how many windows fit
-   between the protected sink and local tokens; :class:`~kvpress_phase.phase.WindowLayout`);
+   between the protected sink and local tokens; :class:`~kvpress_phase.core.phase.WindowLayout`);
 3. **choose or merge** (:meth:`WindowedPress.compress_windows`, the one method each press defines: which entries
    the windows yield);
 4. **record** what it did in ``press.stats[layer]`` (:class:`~kvpress_phase.presses.stats.LayerStats`).
@@ -28,11 +28,11 @@ from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
 from kvpress_phase.kernels import BACKENDS, ROPE_MODES, WEIGHTINGS, Compressed, pool_windows, select_windows
-from kvpress_phase.phase import (WindowLayout, check_number, check_ratio, group_bounds, kept_per_window,
+from kvpress_phase.core.phase import (WindowLayout, check_number, check_ratio, group_bounds, kept_per_window,
                                  ratio_mismatch, window_ratio)
 from kvpress_phase.presses.scorers import SCORERS, scorer_from_name, token_scores
 from kvpress_phase.presses.stats import LayerStats
-from kvpress_phase.rope import rotary_inv_freq
+from kvpress_phase.core.rope import rotary_inv_freq
 
 MODES = ("select", "pool")
 RESIDUALS = ("drop", "pool")
@@ -80,7 +80,7 @@ class WindowedPress(BasePress):
     @property
     def k(self) -> int:
         """Entries each window yields: the integer nearest ``stride * (1 - compression_ratio)``, ties to more
-        compression, ``<= stride - 1`` for a positive ratio, ``>= 1`` (:func:`~kvpress_phase.phase.kept_per_window`)."""
+        compression, ``<= stride - 1`` for a positive ratio, ``>= 1`` (:func:`~kvpress_phase.core.phase.kept_per_window`)."""
         return kept_per_window(self.stride, self.compression_ratio)
 
     @property

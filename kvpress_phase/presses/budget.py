@@ -29,7 +29,7 @@ import torch
 from kvpress import BasePress
 from torch import nn
 
-from kvpress_phase.phase import WindowLayout, check_number
+from kvpress_phase.core.phase import WindowLayout, check_number
 from kvpress_phase.presses.base import _compress_after_prefill
 from kvpress_phase.presses.choice import spread_budget
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress

@@ -12,7 +12,7 @@ from typing import Union
 import torch
 
 from kvpress_phase.kernels import Compressed
-from kvpress_phase.phase import WindowLayout
+from kvpress_phase.core.phase import WindowLayout
 
 
 def raw_tokens(scores: torch.Tensor, layout: WindowLayout, n_raw: Union[int, torch.Tensor], *, share_heads: bool,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kvpress_phase.kernels import Compressed
-from kvpress_phase.phase import WindowLayout, check_number
+from kvpress_phase.core.phase import WindowLayout, check_number
 from kvpress_phase.presses.base import WindowedPress, check_window_options, fixed_windows, pooled_entry_ends
 
 
@@ -27,7 +27,7 @@ class ChunkedStridePress(WindowedPress):
     - the first ``n_sink`` and the last ``n_local`` tokens are kept raw; the ``L = n - n_sink - n_local``
       tokens between them are compressible;
     - ``k`` entries per window: the integer nearest ``S * (1 - compression_ratio)``, ties to more compression,
-      at most ``S - 1`` for a positive ratio and at least 1 (:func:`~kvpress_phase.phase.kept_per_window`); the
+      at most ``S - 1`` for a positive ratio and at least 1 (:func:`~kvpress_phase.core.phase.kept_per_window`); the
       per-window ratio achieved, ``1 - k / S``, is in ``press.stats[layer_idx].window_ratio``, and a press whose
       achieved ratio is more than ``1 / (2S)`` from the requested one warns once;
     - ``n_windows = max(0, (L - S + 1) // S)``: the number of windows that fit in the compressible span for every

@@ -8,7 +8,7 @@ position ``c + D`` for every row. Decoding appends tokens to that tail.
 The wrapper keeps, per layer, where each row's grid stands (:class:`DecodingState`: the
 start of its next stride block, its ``k``, ``D``). After every forward pass that is not the prefill it counts the
 tokens seen so far, ``n = cache length + D``, and compresses the next stride blocks of every row as soon as
-:func:`~kvpress_phase.phase.n_windows` says ``n`` tokens hold that many windows: the same rule as the prefill,
+:func:`~kvpress_phase.core.phase.n_windows` says ``n`` tokens hold that many windows: the same rule as the prefill,
 so the block a row compresses has left the ``n_local`` window, and the cache then holds exactly
 ``compressed_length(n)`` entries. Each block starts where the row's previous one ended, so a generated token's
 phase continues the prefill's grid, per row (StaggeredWindowPress's per-head and aligned grids included).
@@ -42,7 +42,7 @@ from kvpress.presses.base_press import is_prefilling
 from torch import nn
 from transformers import QuantizedCache
 
-from kvpress_phase.phase import WindowLayout, n_windows
+from kvpress_phase.core.phase import WindowLayout, n_windows
 from kvpress_phase.presses.base import WindowedPress
 from kvpress_phase.presses.budget import budget_of
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress

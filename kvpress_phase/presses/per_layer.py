@@ -10,7 +10,7 @@ import torch
 from kvpress import BasePress
 from torch import nn
 
-from kvpress_phase.phase import check_ratio
+from kvpress_phase.core.phase import check_ratio
 from kvpress_phase.presses.base import WindowedPress
 from kvpress_phase.presses.budget import budget_of
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from kvpress_phase.kernels import ROPE_MODES, WEIGHTINGS, Compressed, keep_and_pool
-from kvpress_phase.phase import WindowLayout, check_number
+from kvpress_phase.core.phase import WindowLayout, check_number
 from kvpress_phase.presses.base import RESIDUALS, WindowedPress, check_choice
 from kvpress_phase.presses.choice import keep_only, raw_tokens
-from kvpress_phase.rope import rotary_inv_freq
+from kvpress_phase.core.rope import rotary_inv_freq
 
 ROW_POOL_WINDOWS = 4
 """With ``residual="pool"`` the leftover tokens are pooled over ``ROW_POOL_WINDOWS`` consecutive windows by default

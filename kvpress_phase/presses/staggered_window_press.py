@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from kvpress_phase.kernels import Compressed, keep_and_pool
-from kvpress_phase.phase import WindowLayout, check_number, kept_per_window, merge_period
+from kvpress_phase.core.phase import WindowLayout, check_number, kept_per_window, merge_period
 from kvpress_phase.presses.base import (RESIDUALS, WindowedPress, check_bool, check_choice, check_window_options,
                                         fixed_windows, pooled_entry_ends)
 from kvpress_phase.presses.choice import keep_only, raw_tokens
-from kvpress_phase.rope import rotary_inv_freq
+from kvpress_phase.core.rope import rotary_inv_freq
 
 STAGGERS = ("none", "head", "layer", "head_layer")
 SPREADS = ("period", "stride")
@@ -39,7 +39,7 @@ class StaggeredWindowPress(WindowedPress):
 
     - **staggered offsets** (``stagger``): every KV head (``"head"``), layer (``"layer"``) or (layer, head) pair
       (``"head_layer"``) uses its own grid offset, spread over one period of the merge pattern
-      (``spread="period"``, see :func:`~kvpress_phase.phase.merge_period`) or over the stride;
+      (``spread="period"``, see :func:`~kvpress_phase.core.phase.merge_period`) or over the stride;
     - **overlapping windows** (``overlap``, pool mode): windows of ``2 * stride`` tokens every ``stride`` tokens;
     - **boundary-aware alignment** (``align``): per sequence and layer, the base offset whose window boundaries cut
       the highest-scoring spans least (``offset`` is then not used).

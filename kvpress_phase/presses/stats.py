@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from kvpress_phase.phase import WindowLayout
+from kvpress_phase.core.phase import WindowLayout
 
 
 @dataclass
@@ -31,7 +31,7 @@ class LayerStats:
     requested_ratio: Optional[float] = None
     """The press's ``compression_ratio``."""
     window_ratio: Optional[float] = None
-    """The per-window ratio achieved, ``1 - k / stride`` (see :func:`kvpress_phase.phase.kept_per_window`);
+    """The per-window ratio achieved, ``1 - k / stride`` (see :func:`kvpress_phase.core.phase.kept_per_window`);
     ``achieved_ratio`` is over the whole cache, protected tokens included."""
     masked: Optional[tuple] = None
     """``(head_indices, seq_indices)`` of the stored entries that only pad a head with a smaller budget than the

@@ -12,7 +12,10 @@ from kvpress_phase import (ChunkedStridePress, GlobalBudgetPress, LayerBudgetPre
                            WindowedDecodingPress)
 from kvpress_phase.evaluation.decoding import kvzip_masks, kvzip_scores
 from kvpress_phase.evaluation.presses import REGISTRY, build_press, parse_press_spec, reads_question
-from kvpress_phase.evaluation.runner import EvalConfig, ReplayEngine, duplicate_k, read_results, run_evaluation
+from kvpress_phase.evaluation.config import EvalConfig, duplicate_k
+from kvpress_phase.evaluation.replay import ReplayEngine
+from kvpress_phase.evaluation.store import read_results
+from kvpress_phase.evaluation.runner import run_evaluation
 from kvpress_phase.evaluation.tasks import generate
 from tiny_models import tiny_model
 
@@ -194,7 +197,7 @@ def test_duplicate_k_is_refused_unless_allowed():
 def test_kvzip_scorer_press_through_the_pipeline_and_the_replay(model, word_tokenizer, row):
     """PhaseAwarePress with KVzip's scores: compresses after the prefill to the exact length, and the runner's
     replay (scores once per prefill) gives the pipeline's answer."""
-    from kvpress_phase.phase import compressed_length
+    from kvpress_phase.core.phase import compressed_length
     from kvpress_phase.presses.scorers import KVzipScorer
 
     def press():

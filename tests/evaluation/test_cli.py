@@ -9,7 +9,7 @@ import pytest
 
 from kvpress_phase import cli
 from kvpress_phase.evaluation import cli as evaluation_cli
-from kvpress_phase.evaluation.runner import EvalConfig
+from kvpress_phase.evaluation.config import EvalConfig
 from kvpress_phase.evaluation.tokenizer import save_tokenizer, build_tokenizer
 
 
@@ -175,7 +175,7 @@ def test_query_aware_is_kvpress_name_for_compress_question():
 
 
 def test_report_describes_the_question_setting_as_query_aware(tmp_path, capsys):
-    from kvpress_phase.evaluation.runner import RESULTS_DIR, record_key
+    from kvpress_phase.evaluation.store import RESULTS_DIR, record_key
 
     run = tmp_path / "run"
     (run / RESULTS_DIR).mkdir(parents=True)
@@ -250,14 +250,14 @@ def test_tokenizer_without_bos_or_chat_template_exits_2(tmp_path, capsys):
 
 
 def test_report_merges_runs_and_refuses_a_folder_without_results(tmp_path, capsys):
-    from kvpress_phase.evaluation.runner import RESULTS_DIR
+    from kvpress_phase.evaluation.store import RESULTS_DIR
 
     run = tmp_path / "run"
     (run / RESULTS_DIR).mkdir(parents=True)
     rows = [dict(task="niah_single", context_length=128, stride=4, window=None, protocol="prefix", sample_id=s,
                  phase=p, press="x", compression_ratio=0.5, score=float(p != 1), cache_length=100)
             for s in range(6) for p in range(4)]
-    from kvpress_phase.evaluation.runner import record_key
+    from kvpress_phase.evaluation.store import record_key
     with open(run / RESULTS_DIR / "results-rank0.jsonl", "w") as fh:
         for r in rows:
             fh.write(json.dumps({**r, "key": record_key(r)}) + "\n")
@@ -345,7 +345,8 @@ def test_empty_or_incomplete_model_folder_names_what_is_missing(command, model_d
 
 
 def test_default_model_is_recorded_and_old_runs_without_it_resume(model_dir, tmp_path, capsys):
-    from kvpress_phase.evaluation.runner import EvalConfig, RESULTS_DIR
+    from kvpress_phase.evaluation.config import EvalConfig
+    from kvpress_phase.evaluation.store import RESULTS_DIR
 
     out = tmp_path / "run"
     args = ["eval", "--tasks", "niah_single", "--presses", "no_press", "--strides", "4", "--context-lengths", "64",

@@ -71,7 +71,7 @@ def test_eval_runs_with_the_threads_asked_for_and_one_on_the_cpu_by_default(mode
 
 def test_a_run_resumes_with_another_thread_count_and_records_it(model_dir, tmp_path, threads_during_eval, capsys):
     from kvpress_phase.evaluation.config import EvalConfig
-    from kvpress_phase.evaluation.runner import RESULTS_DIR
+    from kvpress_phase.evaluation.store import RESULTS_DIR
 
     assert "threads" not in {f.name for f in EvalConfig.__dataclass_fields__.values()}  # not in the fingerprint
     out = tmp_path / "run"

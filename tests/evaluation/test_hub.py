@@ -12,7 +12,7 @@ import pytest
 from kvpress_phase.evaluation.prompting import context_token_ids
 from kvpress_phase.evaluation.tasks import HubDatasetError, generate, load_hub_tasks, replace_needles, vocab
 from kvpress_phase.evaluation.tasks.hub import KVPRESS_COLUMNS, find_answer, needle_start
-from kvpress_phase.phase import phase_of
+from kvpress_phase.core.phase import phase_of
 
 LENGTH = {"word": 200, "bpe": 240, "bpe_chat": 240}
 

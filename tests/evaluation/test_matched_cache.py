@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpress_phase.evaluation.presses import build_press, parse_press_spec
-from kvpress_phase.phase import compressed_length
+from kvpress_phase.core.phase import compressed_length
 from tiny_models import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

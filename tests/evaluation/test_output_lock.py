@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from kvpress_phase import cli
-from kvpress_phase.evaluation.runner import OutputDirInUse, lock_path, output_lock
+from kvpress_phase.evaluation.store import OutputDirInUse, lock_path, output_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,7 +29,7 @@ def _holder(out):
     code = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {ROOT!r})
-        from kvpress_phase.evaluation.runner import output_lock
+        from kvpress_phase.evaluation.store import output_lock
         with output_lock({str(out)!r}):
             print("locked", flush=True)
             time.sleep(600)

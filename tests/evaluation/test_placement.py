@@ -14,7 +14,7 @@ import pytest
 
 from kvpress_phase.evaluation.prompting import check_tokenizer, context_token_ids
 from kvpress_phase.evaluation.tasks import TASKS, generate, replace_needles, training_example, vocab
-from kvpress_phase.phase import phase_of
+from kvpress_phase.core.phase import phase_of
 
 ALL_TASKS = list(TASKS)
 LENGTH = 360
@@ -221,7 +221,8 @@ def test_tokenizer_without_bos_or_chat_template_is_refused_up_front(bpe):
 
 
 def test_run_evaluation_refuses_before_writing_anything(tmp_path):
-    from kvpress_phase.evaluation.runner import EvalConfig, run_evaluation
+    from kvpress_phase.evaluation.config import EvalConfig
+    from kvpress_phase.evaluation.runner import run_evaluation
 
     out = tmp_path / "run"
     config = EvalConfig(tasks=["niah_single"], presses=["no_press"], strides=[4], context_lengths=[128], samples=1)

@@ -14,8 +14,10 @@ from transformers import DynamicCache, pipeline
 
 from tiny_models import tiny_model
 from kvpress_phase.evaluation.presses import build_press, parse_press_spec
-from kvpress_phase.evaluation.runner import (EvalConfig, ReplayEngine, check_context_lengths, read_results,
-                                             run_evaluation)
+from kvpress_phase.evaluation.config import EvalConfig, check_context_lengths
+from kvpress_phase.evaluation.replay import ReplayEngine
+from kvpress_phase.evaluation.store import read_results
+from kvpress_phase.evaluation.runner import run_evaluation
 from kvpress_phase.evaluation.tasks import generate
 from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
@@ -104,7 +106,8 @@ def test_two_processes_write_shards_and_merge_deterministically(tmp_path):
         "torch.set_num_threads(1)  # two workers on a machine that may be shared: one thread each\n"
         f"sys.path.insert(0, {os.path.dirname(__file__) + '/..'!r})\n"
         "from tiny_models import tiny_model\n"
-        "from kvpress_phase.evaluation.runner import EvalConfig, run_evaluation\n"
+        "from kvpress_phase.evaluation.config import EvalConfig\n"
+        "from kvpress_phase.evaluation.runner import run_evaluation\n"
         "from kvpress_phase.evaluation.tokenizer import build_tokenizer\n"
         "tok = build_tokenizer()\n"
         "model = tiny_model('qwen3', vocab_size=len(tok), seed=3)\n"
@@ -288,7 +291,7 @@ def test_offloaded_capture_gives_the_same_answers(model, word_tokenizer):
 
 
 def test_cache_fingerprint_tells_caches_apart(model, word_tokenizer):
-    from kvpress_phase.evaluation.runner import cache_fingerprint
+    from kvpress_phase.evaluation.replay import cache_fingerprint
 
     engine = ReplayEngine(model, word_tokenizer)
     row, encoded, state = _row_state(engine, word_tokenizer)

@@ -11,8 +11,7 @@ import pandas as pd
 import pytest
 
 from kvpress_phase import cli
-from kvpress_phase.evaluation.runner import (RESULTS_DIR, ShardWarning, lock_path, read_results,
-                                             removed_if_failed_empty)
+from kvpress_phase.evaluation.store import RESULTS_DIR, ShardWarning, lock_path, read_results, removed_if_failed_empty
 
 N_RECORDS = 2 * 4 * 2  # samples x phases x presses
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvpress_phase.evaluation.prompting import context_token_ids, question_token_ids
 from kvpress_phase.evaluation.tasks import TASKS, generate, get_task, score, training_example, vocab
-from kvpress_phase.phase import phase_of
+from kvpress_phase.core.phase import phase_of
 
 ALL_TASKS = list(TASKS)
 LENGTH = {"word": 256, "bpe": 320, "bpe_chat": 320}

@@ -58,7 +58,7 @@ configuration only (``press_specs.json``), not by built-in answers."""
 
 def golden_config(specs: list[str]):
     from kvpress_phase.evaluation.presses import parse_press_spec
-    from kvpress_phase.evaluation.runner import EvalConfig
+    from kvpress_phase.evaluation.config import EvalConfig
 
     labels, presses = set(), []
     for text in ["no_press", "chunked_stride", "phase_aware"] + specs:  # one spelling per configuration

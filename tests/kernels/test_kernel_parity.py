@@ -31,7 +31,7 @@ pytestmark = pytest.mark.triton
 pytest.importorskip("triton", reason="triton is not installed")
 
 from kvpress_phase import kernels  # noqa: E402
-from kvpress_phase.phase import WindowLayout  # noqa: E402
+from kvpress_phase.core.phase import WindowLayout  # noqa: E402
 
 try:
     from kvpress_phase.kernels import triton_common, triton_pool, triton_select  # noqa: E402

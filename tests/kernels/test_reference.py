@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpress_phase.kernels import naive
-from kvpress_phase.phase import WindowLayout
+from kvpress_phase.core.phase import WindowLayout
 
 
 def _case(dtype, offsets, seq=83, stride=8, k=4, batch=2, heads=3, n_sink=3, n_local=5):

@@ -14,7 +14,9 @@ import pandas as pd
 import pytest
 
 from kvpress_phase import load_builtin_model
-from kvpress_phase.evaluation.runner import EvalConfig, read_results, run_evaluation
+from kvpress_phase.evaluation.config import EvalConfig
+from kvpress_phase.evaluation.store import read_results
+from kvpress_phase.evaluation.runner import run_evaluation
 
 pytestmark = pytest.mark.real_model
 

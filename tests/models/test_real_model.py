@@ -9,7 +9,7 @@ from transformers import DynamicCache, pipeline
 
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress, load_builtin_model
 from kvpress_phase.evaluation.tasks import generate, score
-from kvpress_phase.phase import compressed_length
+from kvpress_phase.core.phase import compressed_length
 
 pytestmark = pytest.mark.real_model
 
@@ -65,7 +65,8 @@ def test_fast_decoding_answers_as_step_by_step_over_a_grid_slice(smollm2, tmp_pa
     every offset, kvpress's scorers), both tasks, two ratios; every answer must be the same."""
     import dataclasses
 
-    from kvpress_phase.evaluation.runner import EvalConfig, run_evaluation
+    from kvpress_phase.evaluation.config import EvalConfig
+    from kvpress_phase.evaluation.runner import run_evaluation
 
     model, tokenizer = smollm2
     config = EvalConfig(model="smollm2", tasks=["niah_single", "niah_multikey"], strides=[6],

@@ -15,7 +15,7 @@ from kvpress_phase.evaluation.presses import build_press, parse_press_spec
 from kvpress_phase.evaluation.replay import ReplayEngine
 from kvpress_phase.evaluation.tasks import generate
 from kvpress_phase.evaluation.tokenizer import build_tokenizer
-from kvpress_phase.phase import compressed_length
+from kvpress_phase.core.phase import compressed_length
 from kvpress_phase.presses.choice import spread_budget
 
 CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))

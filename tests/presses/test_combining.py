@@ -13,7 +13,7 @@ from tiny_models import tiny_model
 from kvpress_phase.presses.scorers import SnapKVScorer
 from kvpress_phase import (ChunkedStridePress, PerLayerWindowedPress, PhaseAwarePress, StaggeredWindowPress,
                            WindowedDecodingPress)
-from kvpress_phase.phase import compressed_length
+from kvpress_phase.core.phase import compressed_length
 
 PRESSES = {
     "chunked_select": lambda r, **kw: ChunkedStridePress(r, mode="select", **kw),

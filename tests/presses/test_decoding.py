@@ -15,7 +15,7 @@ from transformers import DynamicCache, pipeline
 from tiny_models import tiny_model
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress, WindowedDecodingPress
 from kvpress_phase.presses.scorers import SnapKVScorer
-from kvpress_phase.phase import compressed_length, group_bounds
+from kvpress_phase.core.phase import compressed_length, group_bounds
 from kvpress_phase.presses import decoding
 
 HEAD_DIM = 8

@@ -21,7 +21,7 @@ from kvpress_phase.evaluation.presses import (HIDDEN_STATES, REGISTRY, build_pre
 from kvpress_phase.evaluation.replay import ReplayEngine
 from kvpress_phase.evaluation.tasks import generate
 from kvpress_phase.evaluation.tokenizer import build_tokenizer
-from kvpress_phase.phase import compressed_length
+from kvpress_phase.core.phase import compressed_length
 from kvpress_phase.presses.learned_scorer import SHIPPED, LocalKVzapPress, shipped_scorer_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

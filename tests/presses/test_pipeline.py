@@ -9,7 +9,7 @@ from transformers import DynamicCache, pipeline
 
 from tiny_models import FAMILIES, tiny_model
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress
-from kvpress_phase.phase import compressed_length
+from kvpress_phase.core.phase import compressed_length
 from kvpress_phase.presses.scorers import SnapKVScorer
 
 PRESSES = {

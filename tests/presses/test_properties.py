@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from kvpress import KnormPress
 
 from kvpress_phase import ChunkedStridePress, HeadBudgetPress, PhaseAwarePress, StaggeredWindowPress
-from kvpress_phase.phase import compressed_length, group_bounds, kept_per_window, merge_period, phase_of
-from kvpress_phase.rope import rotate
+from kvpress_phase.core.phase import compressed_length, group_bounds, kept_per_window, merge_period, phase_of
+from kvpress_phase.core.rope import rotate
 
 HEAD_DIM = 8
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))

@@ -125,7 +125,7 @@ def test_cli_press_specs_use_the_same_scorer_table():
 
 @pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
 def test_presses_take_the_integers_the_phase_functions_take(cls):
-    """The presses check their numbers with kvpress_phase.phase's helper: numpy integers pass both, floats neither."""
+    """The presses check their numbers with kvpress_phase.core.phase's helper: numpy integers pass both, floats neither."""
     press = cls(np.float64(0.5), stride=np.int64(8), offset=np.int32(3))
     assert press.k == 4
     with pytest.raises(ValueError, match="offset"):
