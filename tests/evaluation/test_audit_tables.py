@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from kvpress_phase.evaluation.audit_tables import AUDIT_CELLS, cells_markdown, depth_markdown, load, main
+from studies.audit_tables import AUDIT_CELLS, cells_markdown, depth_markdown, load, main
 from kvpress_phase.evaluation.metrics import holm
 
 SCREEN = os.path.join(os.path.dirname(__file__), "..", "..", "outputs", "chunk-audit", "screen")

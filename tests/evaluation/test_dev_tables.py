@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvpress_phase.evaluation.dev_tables import decide, paired
+from studies.dev_tables import decide, paired
 
 
 def _cells(means: dict, p_values: dict = None) -> pd.DataFrame:

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvpress_phase.evaluation.calibration import flat, simulate, weak_phase
+from studies.calibration import flat, simulate, weak_phase
 from kvpress_phase.evaluation.metrics import detectable_gap, permutation_p_value, summarize_group
 
 REPLICATES = 300

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kvpress_phase.evaluation.study_tables import copooled, holm, signflip
+from studies.study_tables import copooled, holm, signflip
 
 
 def test_copooled_phases_follow_the_pool_groups():

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvpress_phase.evaluation.targets import main
+from studies.targets import main
 
 EXTRAS = os.path.join(os.path.dirname(__file__), "..", "..", "outputs", "budgets-dev", "agnostic-extras")
 HEADS = "phase_aware:allocate=heads:share_heads=false:recent=0.1"

@@ -1,6 +1,6 @@
 """Tables of the phase study in both regimes (RESULTS.md, section 5) from the study's output directories.
 
-    python -m kvpress_phase.evaluation.study_tables outputs/study-training
+    python -m studies.study_tables outputs/study-training
 
 Reads ``<root>/<model>/<block>/`` (``kvpress-phase eval`` output directories; models ``builtin`` and ``chunked``,
 blocks C, D, A-1024, A-2048, B1, B2, whichever exist) and prints Markdown: the per-phase profiles with the

@@ -1,6 +1,6 @@
 """Tables and a figure of the phase audit of kvpress's chunked presses (docs/preregistration-chunk-audit.md).
 
-    python -m kvpress_phase.evaluation.audit_tables outputs/chunk-audit/L8 outputs/chunk-audit/L20 \\
+    python -m studies.audit_tables outputs/chunk-audit/L8 outputs/chunk-audit/L20 \\
         outputs/chunk-audit/L32 --figure docs/results/chunk-audit/phase-profiles.png --output audit-tables.md
 
 Reads each run's ``summary.json`` (one chunk length ``L`` = stride per run) and results, keeps the audit's cells
@@ -22,9 +22,11 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from .metrics import boundary_test, holm, phase_matrix
-from .store import read_results
-from .targets import depth_markdown, fmt_number, fmt_p
+from kvpress_phase.evaluation.metrics import boundary_test, holm, phase_matrix
+from kvpress_phase.evaluation.store import read_results
+
+from studies.common import fmt_number, fmt_p
+from studies.targets import depth_markdown
 
 AUDIT_CELLS = {"chunk": (0.125, 0.25), "chunk:scorer=keydiff": (0.125,), "chunked_stride": (0.125, 0.25)}
 """The audit's cells by press: the ratios the screen admitted (docs/preregistration-chunk-audit.md, deviation 1)."""
@@ -125,7 +127,7 @@ def figure(cells: pd.DataFrame, summary_control: pd.DataFrame, path: str) -> Non
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpress_phase.evaluation.audit_tables",
+    parser = argparse.ArgumentParser(prog="python -m studies.audit_tables",
                                      description="Tables of the phase audit of kvpress's chunked presses.")
     parser.add_argument("runs", nargs="+", help="the audit's output folders (one chunk length each)")
     parser.add_argument("--output", help="write the Markdown here as well as to stdout")

@@ -1,6 +1,6 @@
 """Cell-by-cell targets and phase science of a pre-registered study, from ``kvpress-phase eval`` output directories.
 
-    python -m kvpress_phase.evaluation.targets outputs/real-test/agnostic-1024 outputs/real-test/question-1024 \\
+    python -m studies.targets outputs/real-test/agnostic-1024 outputs/real-test/question-1024 \\
         --output docs/results/real-model-tables.md
 
 A *cell* is task x context length x stride x compression ratio x setting. For every cell it reads the runs' per-example
@@ -19,7 +19,6 @@ results (merged as ``kvpress-phase report`` merges them) and writes Markdown:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import warnings
 from typing import Optional
@@ -27,30 +26,12 @@ from typing import Optional
 import numpy as np
 import pandas as pd
 
-from .metrics import boundary_test, phase_matrix, summarize
-from .presses import REGISTRY, parse_press_spec
-from .store import read_runs
+from kvpress_phase.evaluation.metrics import boundary_test, phase_matrix, summarize
+from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec
+
+from studies.common import fmt_number, fmt_p, load, paired, paired_markdown
 
 CELL = ["setting", "task", "context_length", "stride", "compression_ratio"]
-
-
-def load(runs: list[str]) -> pd.DataFrame:
-    """The answers of ``runs`` merged as ``kvpress-phase report`` merges them (:func:`~.store.read_runs`: every answer
-    of every model and seed kept, identical copies collapsed with a line on stderr, conflicting copies refused)."""
-    results, _, notes = read_runs(runs)
-    for note in notes:
-        print(f"warning: {note}", file=sys.stderr)
-    return results
-
-
-def fmt_number(x, digits=3) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def fmt_p(p) -> str:
-    if p is None or (isinstance(p, float) and math.isnan(p)):
-        return "-"
-    return "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def targets(records: pd.DataFrame, press: str, reference: str, baselines: list[str]) -> pd.DataFrame:
@@ -143,7 +124,6 @@ def against_markdown(records: pd.DataFrame, results: pd.DataFrame, press: str, a
     """``press`` against one press (``--against``, e.g. KVzip): its mean, the other's and the difference per cell, and
     the difference paired by sample per setting, length and ratio (the two tasks pooled; a sample's value is its mean
     over the strides and phases), with a 95% t interval (:func:`~.dev_tables.paired`)."""
-    from .dev_tables import paired, paired_markdown
 
     lines = [f"### {press} against {against}", "", f"| setting | task | tokens | S | ratio | {press} | {against} | "
              "difference |", "|---|---|---|---|---|---|---|---|"]

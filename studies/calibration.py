@@ -6,7 +6,7 @@ because the phases of one sample share a prompt) and a **weak phase** (one phase
 test suite runs a small grid of these (``tests/evaluation/test_metrics_calibration.py``); the command below
 prints the full table that ``RESULTS.md`` quotes::
 
-    python -m kvpress_phase.evaluation.calibration --replicates 400
+    python -m studies.calibration --replicates 400
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .metrics import crossfit_gap, permutation_p_value
+from kvpress_phase.evaluation.metrics import crossfit_gap, permutation_p_value
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The budget dev round's tables and its pre-registered decision (docs/preregistration-budgets.md).
 
-    python -m kvpress_phase.evaluation.dev_tables RUN [RUN ...] [--reference phase_aware] [--against kvzip]
+    python -m studies.dev_tables RUN [RUN ...] [--reference phase_aware] [--against kvzip]
         [--exclude SPEC,...]
 
 Reads ``kvpress-phase eval`` output directories of the dev round (both settings, any split of the presses between
@@ -26,10 +26,10 @@ from typing import Optional
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
-from .presses import parse_press_spec
-from .targets import fmt_number, fmt_p, load
+from kvpress_phase.evaluation.presses import parse_press_spec
+
+from studies.common import fmt_number, fmt_p, load, paired, paired_markdown
 
 CELL = ["setting", "task", "compression_ratio"]
 NOT_CANDIDATES = ("no_press", "chunked_stride", "kvzip", "keydiff", "snapkv")
@@ -71,41 +71,6 @@ def accuracy_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def paired(records: pd.DataFrame, against: str, by: tuple = ("setting", "compression_ratio")) -> pd.DataFrame:
-    """Per press and group ``by`` (setting and ratio), pooled over tasks: mean paired difference to ``against`` and
-    its 95% t CI. A sample's value is its mean over every answer of the group (phases, and strides where the runs
-    have several); ``by`` may add ``context_length`` for runs of several lengths."""
-    compressed = records[records.compression_ratio > 0]
-    groups = list(by) + ["task", "sample_id", "press"]
-    per_sample = compressed.groupby(groups)["score"].mean().unstack("press")
-    if against not in per_sample:
-        raise ValueError(f"no answers of {against!r} in these runs")
-    rows = []
-    for press in per_sample.columns:
-        if press == against:
-            continue
-        diff = (per_sample[press] - per_sample[against]).dropna()
-        for key, d in diff.groupby(level=list(by)):
-            n = len(d)
-            se = d.std(ddof=1) / np.sqrt(n) if n > 1 else float("nan")
-            half = stats.t.ppf(0.975, n - 1) * se if n > 1 else float("nan")
-            group = dict(zip(by, key if isinstance(key, tuple) else (key,)))
-            rows.append({"press": press, "setting": group.pop("setting"), "ratio": group.pop("compression_ratio"),
-                         **group, "n": n, "diff": d.mean(), "low": d.mean() - half, "high": d.mean() + half})
-    return pd.DataFrame(rows)
-
-
-def paired_markdown(table: pd.DataFrame, against: str) -> str:
-    tokens = "context_length" in table
-    lines = [f"| press | setting |{' tokens |' if tokens else ''} ratio | samples | mean difference to `{against}` "
-             "[95% CI] |", "|---|---|---|---|---|" + ("---|" if tokens else "")]
-    for r in table.itertuples():
-        length = f" {r.context_length} |" if tokens else ""
-        lines.append(f"| `{r.press}` | {r.setting} |{length} {r.ratio:g} | {r.n} | {r.diff:+.3f} [{r.low:+.3f}, "
-                     f"{r.high:+.3f}] |")
-    return "\n".join(lines)
-
-
 def decide(table: pd.DataFrame, reference: str, candidates: Optional[list] = None) -> tuple[str, str]:
     """The pre-registered decision: (the chosen press, Markdown saying why)."""
     ours = table[table.compression_ratio > 0]
@@ -142,7 +107,7 @@ def decide(table: pd.DataFrame, reference: str, candidates: Optional[list] = Non
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpress_phase.evaluation.dev_tables", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m studies.dev_tables", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="kvpress-phase eval output directories of the dev round")
     parser.add_argument("--reference", default="phase_aware", help="the frozen default (default: phase_aware)")
     parser.add_argument("--against", default="kvzip", help="the press every other is paired with (default: kvzip)")
