@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         slots = sum(layer.keys.shape[0] * layer.keys.shape[1] for layer in cache.layers)
         entries = sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers)
         entries -= sum(int(h.numel()) for h, _ in (masks or {}).values())
-        lines.append(f"| `{spec.label}` | {seconds * 1000:.1f} | {seconds / prefill_s:.2f} | {stored / 2**20:.2f} | "
+        lines.append(f"| `{spec.label}` | {seconds * 1000:.1f} | {seconds / prefill_s:.3f} | {stored / 2**20:.2f} | "
                      f"{entries / slots:.1f} |")
     text = "\n".join(lines)
     print(text)
