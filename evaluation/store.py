@@ -138,14 +138,17 @@ def _shard_paths(output_dir: str) -> list[str]:
 
 
 def _same(a, b) -> bool:
-    """Equal values as JSON holds them (NaN equals NaN; lists and dicts element by element; a field missing from
-    one dict equals a null in the other, which Parquet cannot tell apart)."""
+    """Equal values as JSON holds them (NaN equals NaN; numbers by value; lists and dicts element by element; a field
+    missing from one dict equals a null in the other, which Parquet cannot tell apart)."""
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):  # a missing field is a null
         return all(_same(a.get(k), b.get(k)) for k in a.keys() | b.keys())
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
+        return a == b  # a column of ints and floats is stored as floats: 1024 and 1024.0 are the same answer
     return type(a) is type(b) and a == b
 
 
