@@ -26,10 +26,11 @@ from .presses import REGISTRY  # names and descriptions only: the factories impo
 
 QUICK_SETTINGS = dict(
     tasks=["niah_single", "niah_multikey"],
-    # every registered press but the ablations' StaggeredWindowPress, and ChunkedStridePress's pooled windows (the
-    # chunked compression of the paper, whose weak phases the built-in model shows) beside its default selection
+    # every registered press its entry puts in the default job (not the ablations' StaggeredWindowPress, nor kvzap,
+    # whose scorer is shipped for SmolLM2 only), and ChunkedStridePress's pooled windows (the chunked compression of
+    # the paper, whose weak phases the built-in model shows) beside its default selection
     presses=["no_press", "chunked_stride", "chunked_stride:mode=pool"]
-    + [p for p in REGISTRY if p not in ("no_press", "chunked_stride", "staggered_window")],
+    + [p for p, e in REGISTRY.items() if e.in_default_job and p not in ("no_press", "chunked_stride")],
     compression_ratios=[0.25],
     strides=[8],
     protocol="prefix",

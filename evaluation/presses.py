@@ -66,6 +66,9 @@ class PressEntry:
     """``--matched-cache`` runs it at the ratio that gives ``ChunkedStridePress``'s cache length."""
     default_scorer: Optional[str] = None
     """The scorer a chunk wrapper wraps unless ``scorer=`` names another."""
+    in_default_job: bool = True
+    """``kvpress-phase eval`` with no ``--presses`` runs it (not: the studies' ablations, and presses that need
+    something only some models have, such as a shipped scorer)."""
     scorers: tuple = CHUNK_SCORERS
     """``"scorer"`` settings: the scorer names ``scorer=`` accepts."""
     setting_names: Optional[Callable[[dict], tuple]] = None
@@ -228,7 +231,7 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                settings="fields", grid_offset=True, setting_names=_phase_aware_settings),
     PressEntry("staggered_window", "StaggeredWindowPress: a fixed budget per window on grids staggered per head, "
                "aligned to the scores or overlapping (the studies' ablations; phase_aware:budget=window)",
-               _staggered_window, settings="fields", grid_offset=True,
+               _staggered_window, settings="fields", grid_offset=True, in_default_job=False,
                setting_names=_fields("StaggeredWindowPress", window=True)),
     PressEntry("snapkv", "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
                _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True),
@@ -257,7 +260,8 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "wraps another scorer, e.g. kvzap)", _adakv, settings="scorer", masks=True, matched=True,
                default_scorer="keydiff", scorers=CHUNK_SCORERS + ("kvzap",)),
     PressEntry("kvzap", "kvpress KVzapPress with the scorer shipped for the model (learned KVzip+ scores from the "
-               "layer's input, the same count per head)", _kvzap, reads=frozenset({HIDDEN_STATES}), matched=True),
+               "layer's input, the same count per head)", _kvzap, reads=frozenset({HIDDEN_STATES}), matched=True,
+               in_default_job=False),
 ]}
 """Every press the evaluation can run, by name (the CLI's ``list`` prints them in this order)."""
 
