@@ -128,7 +128,7 @@ def measure(engine, n: int, layers: int, elt: int, lean: bool, decode: bool) -> 
 
 
 def extrapolate(activation_per_token_d: float, activation_per_token_i: float) -> list[str]:
-    """Llama-3.1-8B (32 layers, MLP 14336, bfloat16) on an 80 GB GPU, from the README's formulas."""
+    """Llama-3.1-8B (32 layers, MLP 14336, bfloat16) on an 80 GB GPU, from the formulas of docs/evaluation.md."""
     L, I, b = 32, 14336, 2
     weights = 8.03e9 * b
     usable = 79.6 * GiB - 4 * GiB  # an H100 80GB shows 79.6 GiB; 4 GiB for the CUDA context and allocator slack
@@ -207,7 +207,7 @@ def report(rows: list[dict], argv, layers: int, dtype: str, base_intermediate: i
                   f"{base_intermediate} (least squares over {len(base)} lengths), of which {beta:.2f} * MLP width "
                   f"(MLP {fit[0]['intermediate']} against {base_intermediate} at {fit[0]['tokens']} tokens): "
                   f"A(n) ~ n * bytes per element * ({alpha:.2f} * hidden + {beta:.2f} * MLP width).",
-                  "", "Extrapolated to Llama-3.1-8B (32 layers, MLP 14336, bfloat16, batch 1) with the README's "
+                  "", "Extrapolated to Llama-3.1-8B (32 layers, MLP 14336, bfloat16, batch 1) with docs/evaluation.md's "
                   "formulas (an extrapolation, not a GPU measurement):", ""]
         lines += extrapolate(alpha, beta)
     return "\n".join(lines) + "\n", exact

@@ -14,7 +14,7 @@ Steps, each recorded with its status, duration and figures (a failed step does n
 3. ``pipeline``: ``ChunkedStridePress`` and ``PhaseAwarePress`` through ``pipeline("kv-press-text-generation")`` on
    a bfloat16 Llama built from a config (Llama-3.1-8B's attention shapes, 2 layers, random weights) at 8k tokens,
    with sdpa and, where the ``flash_attn`` package is installed, flash-attention 2; each with the Triton and the
-   PyTorch backend: every layer's cache length must equal the README's formula, and the two backends' caches must
+   PyTorch backend: every layer's cache length must equal the formula of docs/guide.md ("Exact cache length"), and the two backends' caches must
    agree within bfloat16 tolerance. Small mode: a tiny float32 model at 128 tokens, sdpa.
 4. ``eval``: the default evaluation (``kvpress-phase eval`` with no arguments) with ``--device cuda``, with its
    answers per second. Small mode: a one-sample, three-press evaluation on the CPU.

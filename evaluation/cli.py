@@ -138,7 +138,7 @@ def add_commands(sub) -> None:
     ev.add_argument("--decode-batch", type=int, default=16,
                     help="compressed caches of one context decoded together (default: 16; 1 decodes each alone, "
                          "exactly as one pipeline call per press would; larger batches can change an answer at a "
-                         "near-tie through float rounding, see BENCHMARKS.md)")
+                         "near-tie through float rounding, see docs/benchmarks.md)")
     ev.add_argument("--step-by-step", action="store_true",
                     help="decode every answer token by token over a growing cache (the reference path; slower) "
                          "instead of checking the uncompressed answer as a draft in preallocated cache buffers")

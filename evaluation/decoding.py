@@ -8,7 +8,7 @@ the same question tokens and positions (the original context's, as kvpress's pip
 its own end-of-sequence token. Step by step with one cache it makes exactly the model calls of kvpress's
 ``KVPressTextGenerationPipeline.generate_answer``; in a batch, or checking a draft, each row's logits can differ
 from that by float rounding (matrix products of other shapes add in another order), which changes a greedy answer
-only at a near-tie (BENCHMARKS.md has the measured agreement).
+only at a near-tie (docs/benchmarks.md has the measured agreement).
 
 kvpress's ``KVzipPress`` scores entries while the model repeats the context, then masks the evicted entries during
 decoding rather than removing them (kvpress replaces their keys by a "fake key" whose attention weight underflows
@@ -184,7 +184,7 @@ def decode_tokens(model, caches: list, question_ids: torch.Tensor, context_lengt
     that differs from its own greedy choice, takes its own token there, and decodes on step by step from that point.
     Greedy decoding is deterministic, so the tokens are those of step-by-step decoding up to float rounding: the
     longer forward adds the question's products in another order, which can change an argmax only at a near-tie
-    (``benchmarks/bench_eval.py`` counts identical answers; BENCHMARKS.md has the figures).
+    (``benchmarks/bench_eval.py`` counts identical answers; docs/benchmarks.md has the figures).
     """
     if step_by_step:
         return _step_by_step(model, caches, question_ids, context_length, max_new_tokens, masks, probe)

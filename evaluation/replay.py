@@ -104,7 +104,7 @@ class ReplayEngine:
     """Prefill a context once; answer questions under any press from the recorded compress inputs.
 
     ``offload="cpu"`` keeps the recorded tensors on the CPU: the model's device then holds, besides the weights, one
-    layer's uncompressed keys and values at a time and the compressed cache being decoded (see the README's memory
+    layer's uncompressed keys and values at a time and the compressed cache being decoded (see docs/evaluation.md, memory
     section). ``step_by_step=True`` decodes every answer token by token over a growing ``DynamicCache`` (the
     reference path of :func:`.decoding.decode_tokens`) instead of checking drafts in cache buffers allocated once.
     """

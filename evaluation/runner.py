@@ -12,7 +12,7 @@ rounding at near-ties (``tests/evaluation/test_batched_decoding.py``, ``tests/mo
 
 The prefill records only what the presses under test read (hidden states only for presses that read them, see
 :func:`.presses.prefill_reads`), holds one context at a time, and with ``offload="cpu"`` keeps the recorded tensors in
-CPU memory (README, "Memory of the replay runner", has the peak-memory formula). Variants are decoded once per
+CPU memory (docs/evaluation.md, "Memory of the replay runner", has the peak-memory formula). Variants are decoded once per
 distinct compressed cache (:func:`.replay.cache_fingerprint`), and the needle-attention diagnostic is taken from the
 answer's own first decoding step (:class:`~.diagnostics.AttentionProbe`).
 

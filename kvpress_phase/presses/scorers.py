@@ -216,7 +216,7 @@ class KVzipScorer(ScorerPress):
 
 def quiet_kvzip_press(compression_ratio: float, **kwargs):
     """kvpress's ``KVzipPress``, without the warning about its cost that kvpress logs at every construction (the
-    evaluation builds one per context; README and BENCHMARKS.md state the cost)."""
+    evaluation builds one per context; README and docs/benchmarks.md state the cost)."""
     import logging
 
     from kvpress import KVzipPress
