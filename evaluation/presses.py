@@ -19,11 +19,6 @@ from typing import Callable, Optional
 
 HIDDEN_STATES, ATTENTIONS, QUESTION = "hidden_states", "attentions", "question"
 
-CHUNK_SCORERS = ("knorm", "keydiff", "snapkv", "tova", "expected_attention")
-"""Scorers a chunk wrapper accepts by name (KVzip scores whole contexts, not chunks; random scores are no baseline)."""
-
-QUESTION_SCORERS = {"snapkv", "tova", "expected_attention"}
-"""Scorer names whose scores read the last prefill tokens, hence the question under ``--query-aware``."""
 
 LEGACY_ROW_OPTIONS = {"align": (True, False), "stagger": ("none", "head", "layer", "head_layer"),
                       "spread": ("period", "stride"), "overlap": (True, False), "mode": ("pool", "select")}
@@ -57,7 +52,7 @@ class PressEntry:
     layer's kwargs always are. :data:`QUESTION`: the scores read the last prefill tokens, so the question when it is
     compressed with the context."""
     settings: str = "none"
-    """``"fields"`` (any field of the press), ``"scorer"`` (``scorer=NAME`` of :data:`CHUNK_SCORERS`) or ``"none"``."""
+    """``"fields"`` (any field of the press), ``"scorer"`` (``scorer=NAME``, a name of :attr:`scorers`) or ``"none"``."""
     masks: bool = False
     """It keeps every entry and masks the evicted ones while decoding (its cache length is the unmasked entries)."""
     grid_offset: bool = False
@@ -69,8 +64,13 @@ class PressEntry:
     in_default_job: bool = True
     """``kvpress-phase eval`` with no ``--presses`` runs it (not: the studies' ablations, and presses that need
     something only some models have, such as a shipped scorer)."""
-    scorers: tuple = CHUNK_SCORERS
-    """``"scorer"`` settings: the scorer names ``scorer=`` accepts."""
+    scorers: Optional[tuple] = None
+    """``"scorer"`` settings: the scorer names ``scorer=`` accepts (None: :data:`CHUNK_SCORERS`)."""
+    chunk_scorer: bool = False
+    """kvpress's chunk wrappers (``chunk:scorer=NAME``) accept it as their scorer (a press that scores every entry of
+    a chunk on its own: not KVzip, which scores whole contexts, nor random scores, which are no baseline)."""
+    trainable: bool = False
+    """A model can be fine-tuned with it in the loop (``kvpress-phase train --press``)."""
     setting_names: Optional[Callable[[dict], tuple]] = None
     """``setting_names(settings)``: the keys a ``"fields"`` press's spec may set, given the spec's settings (see
     :func:`press_settings`)."""
@@ -182,10 +182,12 @@ def _kvpress(class_name: str):
 
 
 def _kvzip(plus: bool):
+    """kvpress's ``KVzipPress`` (KVzip+ with ``plus``) as the replay engine runs it: masks from scores of the whole
+    context (:class:`~.replay.KVzipMasks`)."""
     def build(options: dict, a: BuildArgs):
-        from kvpress_phase.presses.scorers import quiet_kvzip_press
+        from .replay import KVzipMasks
 
-        return quiet_kvzip_press(a.base_ratio, kvzip_plus_normalization=plus)
+        return KVzipMasks(a.base_ratio, kvzip_plus_normalization=plus)
     return build
 
 
@@ -225,17 +227,17 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
     PressEntry("no_press", "no compression (the uncompressed control)", lambda options, a: None),
     PressEntry("chunked_stride", "ChunkedStridePress: fixed windows every stride tokens, each keeps its k best tokens "
                "by KeyDiff score (:mode=pool merges them into k entries)", _chunked_stride,
-               settings="fields", grid_offset=True, setting_names=_fields("ChunkedStridePress")),
+               settings="fields", grid_offset=True, trainable=True, setting_names=_fields("ChunkedStridePress")),
     PressEntry("phase_aware", "PhaseAwarePress: the same cache length, the row's best tokens by KeyDiff score "
                "wherever they are (no fixed budget per window)", _phase_aware,
-               settings="fields", grid_offset=True, setting_names=_phase_aware_settings),
+               settings="fields", grid_offset=True, trainable=True, setting_names=_phase_aware_settings),
     PressEntry("staggered_window", "StaggeredWindowPress: a fixed budget per window on grids staggered per head, "
                "aligned to the scores or overlapping (the studies' ablations; phase_aware:budget=window)",
                _staggered_window, settings="fields", grid_offset=True, in_default_job=False,
                setting_names=_fields("StaggeredWindowPress", window=True)),
     PressEntry("snapkv", "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
-               _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True),
-    PressEntry("knorm", "kvpress KnormPress (key norm)", _kvpress("KnormPress"), matched=True),
+               _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True),
+    PressEntry("knorm", "kvpress KnormPress (key norm)", _kvpress("KnormPress"), matched=True, chunk_scorer=True),
     PressEntry("streaming_llm", "kvpress StreamingLLMPress (sink + recent tokens)", _kvpress("StreamingLLMPress"),
                matched=True),
     PressEntry("chunkkv", "kvpress ChunkKVPress(SnapKVPress) with chunks of stride tokens (:scorer=NAME wraps "
@@ -245,11 +247,11 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "scorer)", _chunk("ChunkPress", "KnormPress"), settings="scorer", matched=True, default_scorer="knorm"),
     PressEntry("expected_attention", "kvpress ExpectedAttentionPress (attention expected from future queries, "
                "extrapolated from the last hidden states)", _kvpress("ExpectedAttentionPress"),
-               reads=_WINDOW_ATTENTION, matched=True),
+               reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True),
     PressEntry("tova", "kvpress TOVAPress (attention of the last prefill token)", _kvpress("TOVAPress"),
-               reads=_WINDOW_ATTENTION, matched=True),
+               reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True),
     PressEntry("keydiff", "kvpress KeyDiffPress (keys least similar to the mean key)", _kvpress("KeyDiffPress"),
-               matched=True),
+               matched=True, chunk_scorer=True),
     PressEntry("pyramidkv", "kvpress PyramidKVPress (SnapKV scores, budgets shrinking with depth)",
                _kvpress("PyramidKVPress"), reads=_WINDOW_ATTENTION, matched=True),
     PressEntry("kvzip", "kvpress KVzipPress (attention while the model repeats the context; global budget across "
@@ -258,15 +260,24 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "value's output norm; global budget, masked)", _kvzip(True), masks=True, matched=True),
     PressEntry("adakv", "kvpress AdaKVPress(KeyDiffPress) (per-head budgets within each layer, masked; :scorer=NAME "
                "wraps another scorer, e.g. kvzap)", _adakv, settings="scorer", masks=True, matched=True,
-               default_scorer="keydiff", scorers=CHUNK_SCORERS + ("kvzap",)),
+               default_scorer="keydiff", scorers=("knorm", "keydiff", "snapkv", "tova", "expected_attention", "kvzap")),
     PressEntry("kvzap", "kvpress KVzapPress with the scorer shipped for the model (learned KVzip+ scores from the "
                "layer's input, the same count per head)", _kvzap, reads=frozenset({HIDDEN_STATES}), matched=True,
                in_default_job=False),
 ]}
 """Every press the evaluation can run, by name (the CLI's ``list`` prints them in this order)."""
 
-TRAINABLE_PRESSES = ("chunked_stride", "phase_aware")
-"""Presses a model can be fine-tuned with (``kvpress-phase train --press``)."""
+CHUNK_SCORERS = tuple(name for name, entry in REGISTRY.items() if entry.chunk_scorer)
+"""Scorers a chunk wrapper accepts by name (the entries marked ``chunk_scorer``)."""
+
+TRAINABLE_PRESSES = tuple(name for name, entry in REGISTRY.items() if entry.trainable)
+"""Presses a model can be fine-tuned with (the entries marked ``trainable``)."""
+
+
+def scorer_reads_question(name: str) -> bool:
+    """Whether the scorer ``name`` (a registry name) reads the last prefill tokens, hence the question under
+    ``--query-aware``: its entry reads :data:`QUESTION`."""
+    return name in REGISTRY and QUESTION in REGISTRY[name].reads
 
 
 @dataclass(frozen=True)
@@ -296,9 +307,9 @@ def reads_question(spec: PressSpec) -> bool:
     entry = spec.entry
     options = dict(spec.options)
     if entry.settings == "scorer":
-        return options.get("scorer", entry.default_scorer) in QUESTION_SCORERS
+        return scorer_reads_question(options.get("scorer", entry.default_scorer))
     if entry.settings == "fields":
-        return options.get("scorer") in QUESTION_SCORERS and build_press(spec, 0.5, 8, None, 0).needs_scores
+        return scorer_reads_question(options.get("scorer", "")) and build_press(spec, 0.5, 8, None, 0).needs_scores
     return QUESTION in entry.reads
 
 
@@ -393,8 +404,9 @@ def parse_press_spec(text: str) -> PressSpec:
         if not sep or not key:
             raise ValueError(f"press setting {item!r} in {text!r} must look like key=value")
         if entry.settings == "scorer":
-            if key != "scorer" or value not in entry.scorers:
-                raise ValueError(f"press {name!r} takes only scorer=NAME with NAME one of {', '.join(entry.scorers)} "
+            scorers = entry.scorers or CHUNK_SCORERS
+            if key != "scorer" or value not in scorers:
+                raise ValueError(f"press {name!r} takes only scorer=NAME with NAME one of {', '.join(scorers)} "
                                  f"(got {item!r})")
         elif entry.settings == "none":
             raise ValueError(f"press {name!r} takes no settings (got {item!r})")

@@ -60,6 +60,21 @@ class _CapturePress(BasePress):
 
 
 @dataclass
+class KVzipMasks:
+    """kvpress's ``KVzipPress`` as the evaluation replays it (the registry's ``kvzip`` and ``kvzip_plus`` build this):
+    the full cache, decoded with the entries ``KVzipPress(compression_ratio, kvzip_plus_normalization=...)`` masks.
+    Its scores come from reconstructing the whole context (:func:`.decoding.kvzip_scores`, once per prefill and
+    variant) and its masks from kvpress's own global eviction rule (:func:`.decoding.kvzip_masks`), so a sweep
+    scores a context once for every ratio."""
+
+    compression_ratio: float = 0.0
+    kvzip_plus_normalization: bool = False
+
+    def post_init_from_model(self, model) -> None:
+        """Nothing to load (kvpress's press is built when the masks are)."""
+
+
+@dataclass
 class Prefill:
     """One prefilled context: its token count, its full cache, and the recorded compress inputs.
 
@@ -159,10 +174,9 @@ class ReplayEngine:
     def compressed_cache(self, state: Prefill, press: Optional[BasePress]):
         """A cache holding ``press``'s compression of ``state`` (the original tensors are not modified).
 
-        For a press that masks instead of removing (kvpress's ``KVzipPress``) the cache is the full one; its masks
-        are :meth:`masks`."""
-        self._left_masks = {}
-        if _is_kvzip(press):
+        For :class:`KVzipMasks` (kvpress's ``KVzipPress``, which masks instead of removing) the cache is the full one;
+        its masks are :meth:`masks`."""
+        if isinstance(press, KVzipMasks):
             return self.compressed_cache(state, None)
         cache = copy.copy(state.cache)
         cache.layers = [copy.copy(layer) for layer in state.cache.layers]
@@ -175,11 +189,13 @@ class ReplayEngine:
                 scorer.scores = self._kvzip_scores(state, scorer.kvzip_plus_normalization)
         device = self.model.device
         missing = ALL_INPUTS - state.reads
+        left = state.memo.setdefault("left_masks", {})
+        left[id(press)] = (press, {})  # kept with the prefill: the masks this press left in this compression
         try:
             with _shared_scores(press, state):
                 if getattr(press, "plans_across_layers", False):  # a budget across layers: every layer's scores
                     press.plan(state.inputs.values())
-                self._compress_layers(state, press, cache, device)
+                self._compress_layers(state, press, cache, device, left[id(press)][1])
         except (RuntimeError, NotImplementedError) as exc:
             if not missing or "meta" not in str(exc):
                 raise
@@ -189,7 +205,7 @@ class ReplayEngine:
             ) from exc
         return cache
 
-    def _compress_layers(self, state: Prefill, press, cache, device) -> None:
+    def _compress_layers(self, state: Prefill, press, cache, device, masks: dict) -> None:
         for layer_idx, (module, hidden, keys, values, attentions, kwargs) in state.inputs.items():
             if state.offload is not None:  # bring one layer back at a time
                 hidden, keys, values, attentions = [
@@ -207,7 +223,7 @@ class ReplayEngine:
                 found = getattr(module, "masked_key_indices", None)
                 if found is not None:
                     _, heads, seqs = found
-                    self._left_masks[layer_idx] = (heads.clone(), seqs.clone())
+                    masks[layer_idx] = (heads.clone(), seqs.clone())
                 module.masked_key_indices = None
             cache.layers[layer_idx].keys = new_keys
             cache.layers[layer_idx].values = new_values
@@ -218,8 +234,9 @@ class ReplayEngine:
         press that masks per KV head while compressing (kvpress's ``AdaKVPress``, a per-head budget wrapper of ours)
         leaves its masks in kvpress's ``module.masked_key_indices``, which :meth:`compressed_cache` keeps, so this is
         called after that."""
-        if not _is_kvzip(press):
-            return getattr(self, "_left_masks", None) or None
+        if not isinstance(press, KVzipMasks):
+            found = state.memo.get("left_masks", {}).get(id(press))
+            return (found[1] or None) if found is not None and found[0] is press else None
         if press.compression_ratio == 0:
             return None
         from .decoding import kvzip_masks
@@ -399,12 +416,6 @@ def _shared_scores(press, state: Prefill):
         yield
     finally:
         del scorer.score
-
-
-def _is_kvzip(press) -> bool:
-    from kvpress import KVzipPress
-
-    return isinstance(press, KVzipPress)
 
 
 def _mask_fingerprint(masks) -> tuple:
