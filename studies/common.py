@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -65,3 +67,16 @@ def paired_markdown(table: pd.DataFrame, against: str) -> str:
         lines.append(f"| `{r.press}` | {r.setting} |{length} {r.ratio:g} | {r.n} | {r.diff:+.3f} [{r.low:+.3f}, "
                      f"{r.high:+.3f}] |")
     return "\n".join(lines)
+
+
+def read_summaries(runs: list[str]) -> pd.DataFrame:
+    """Every cell of the runs' ``summary.json`` (accuracy, phase test, ...), one row per cell and press; ValueError
+    naming a run without one."""
+    frames = []
+    for run in runs:
+        path = os.path.join(run, "summary.json")
+        if not os.path.exists(path):
+            raise ValueError(f"{run!r} has no summary.json: is it a finished `kvpress-phase eval` output directory?")
+        with open(path) as fh:
+            frames.append(pd.DataFrame(json.load(fh)))
+    return pd.concat(frames, ignore_index=True)

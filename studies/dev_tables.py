@@ -19,8 +19,6 @@ directories; a cell answered in two directories is taken from the first) and pri
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Optional
 
@@ -29,7 +27,7 @@ import pandas as pd
 
 from kvpress_phase.evaluation.presses import parse_press_spec
 
-from studies.common import fmt_number, fmt_p, load, paired, paired_markdown
+from studies.common import fmt_number, fmt_p, load, paired, paired_markdown, read_summaries
 
 CELL = ["setting", "task", "compression_ratio"]
 NOT_CANDIDATES = ("no_press", "chunked_stride", "kvzip", "keydiff", "snapkv")
@@ -37,14 +35,7 @@ MARGIN, TIE, ALPHA = 0.05, 0.02, 0.05
 
 
 def summaries(runs: list[str]) -> pd.DataFrame:
-    frames = []
-    for run in runs:
-        path = os.path.join(run, "summary.json")
-        if not os.path.exists(path):
-            raise ValueError(f"{run!r} has no summary.json: is it a finished `kvpress-phase eval` output directory?")
-        frames.append(pd.DataFrame(json.load(open(path))))
-    table = pd.concat(frames, ignore_index=True)
-    return table.drop_duplicates(CELL + ["press"], keep="first")
+    return read_summaries(runs).drop_duplicates(CELL + ["press"], keep="first")
 
 
 def accuracy_markdown(table: pd.DataFrame) -> str:

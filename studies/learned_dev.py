@@ -20,8 +20,6 @@ pooling the strides) and prints Markdown:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Optional
 
@@ -32,7 +30,7 @@ from scipy import stats
 from kvpress_phase.evaluation.metrics import holm
 from kvpress_phase.evaluation.presses import parse_press_spec
 
-from studies.common import fmt_number, fmt_p, load
+from studies.common import fmt_number, fmt_p, load, read_summaries
 
 REFERENCE = "phase_aware"
 DENSE = "phase_aware:scorer=kvzap:allocate=layers"
@@ -45,14 +43,7 @@ MARGIN, TIE, ALPHA, COST_CAP, NEAR = 0.05, 0.02, 0.05, 0.1, 0.03
 
 def phase_tests(runs: list[str]) -> pd.DataFrame:
     """The phase test of every (setting, task, ratio, stride, press) from the runs' ``summary.json``."""
-    frames = []
-    for run in runs:
-        path = os.path.join(run, "summary.json")
-        if not os.path.exists(path):
-            raise ValueError(f"{run!r} has no summary.json: is it a finished `kvpress-phase eval` output directory?")
-        frames.append(pd.DataFrame(json.load(open(path))))
-    table = pd.concat(frames, ignore_index=True)
-    return table[CELL + ["stride", "press", "p_value"]]
+    return read_summaries(runs)[CELL + ["stride", "press", "p_value"]]
 
 
 def cell_means(records: pd.DataFrame) -> pd.DataFrame:
