@@ -13,7 +13,7 @@ A budget across layers needs every layer's scores before any layer is compressed
 the prefill has finished (:attr:`plans_across_layers`), and it needs scores that compare between layers: KeyDiff's
 cosine similarities are scale-free but rank layers poorly; the learned KVzip+ surrogate (``scorer="kvzap"``,
 :mod:`kvpress_phase.presses.learned_scorer`) predicts one log score on one scale for every layer. Results:
-``RESULTS.md``.
+``docs/results/r7-learned-budgets.md``.
 
     press = LayerBudgetPress(PhaseAwarePress(0.5, scorer="kvzap"))
     pipe(context, question=question, press=press)

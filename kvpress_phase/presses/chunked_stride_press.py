@@ -45,7 +45,8 @@ class ChunkedStridePress(WindowedPress):
     chosen on the real pretrained model's pre-registered dev split (``docs/preregistration-real-model.md``): pooled
     entries hurt a model never trained with them, and KeyDiff was the best cheap per-window scorer. Pooling
     (``mode="pool"``) is for models trained with a pooled cache, such as the built-in ``chunked`` model. How the
-    defaults score, and where their weak phases are: ``RESULTS.md`` (sections R1 and 5).
+    defaults score, and where their weak phases are: ``docs/results/r1-real-test.md`` and
+    ``docs/results/builtin-models.md`` (section 5).
 
     Positions. A key's index in the cache is taken as its position, which holds only when no other press has
     shortened the cache before: on a shortened cache (fewer keys than the layer's tokens) the press raises

@@ -43,7 +43,8 @@ class PhaseAwarePress(WindowedPress):
 
     The defaults were chosen on the real pretrained model's pre-registered dev split
     (``docs/preregistration-real-model.md``) and tested on its held-out test split; the figures, and where the press
-    still trails KVzip, are in ``RESULTS.md`` (section R1). Fixed per-window budgets on staggered, aligned or
+    still trails KVzip, are in ``docs/results/r1-real-test.md``; budgets over the model,
+    ``docs/results/r7-learned-budgets.md``. Fixed per-window budgets on staggered, aligned or
     overlapping grids, which the studies compared against, are :class:`~kvpress_phase.StaggeredWindowPress`.
 
     Parameters

@@ -25,8 +25,8 @@ class StaggeredWindowPress(WindowedPress):
     """Chunked compression with the same budget in every window, on grids that differ between heads and layers.
 
     The attempts to remove :class:`~kvpress_phase.ChunkedStridePress`'s weak phases while keeping a fixed budget
-    per window, kept as the baselines and ablations the studies compared against (``RESULTS.md`` sections 3-4 and
-    R1; the press the package recommends is :class:`~kvpress_phase.PhaseAwarePress`, which has no per-window budget).
+    per window, kept as the baselines and ablations the studies compared against (``docs/results/builtin-models.md``
+    sections 3-4 and ``docs/results/r1-real-test.md``; the press the package recommends is :class:`~kvpress_phase.PhaseAwarePress`, which has no per-window budget).
     Spelled ``phase_aware:budget=window`` and ``phase_aware:budget=window_topk`` in the evaluation's press specs, as
     when these were options of ``PhaseAwarePress``.
 
