@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -190,7 +191,8 @@ class ReplayEngine:
         device = self.model.device
         missing = ALL_INPUTS - state.reads
         left = state.memo.setdefault("left_masks", {})
-        left[id(press)] = (press, {})  # kept with the prefill: the masks this press left in this compression
+        # kept with the prefill (the press itself is not kept alive by it): the masks this press left
+        left[id(press)] = (weakref.ref(press) if press is not None else None, {})
         try:
             with _shared_scores(press, state):
                 if getattr(press, "plans_across_layers", False):  # a budget across layers: every layer's scores
@@ -236,7 +238,8 @@ class ReplayEngine:
         called after that."""
         if not isinstance(press, KVzipMasks):
             found = state.memo.get("left_masks", {}).get(id(press))
-            return (found[1] or None) if found is not None and found[0] is press else None
+            alive = found is not None and found[0] is not None and found[0]() is press
+            return (found[1] or None) if alive else None
         if press.compression_ratio == 0:
             return None
         from .decoding import kvzip_masks
