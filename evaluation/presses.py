@@ -20,11 +20,27 @@ from typing import Callable, Optional
 HIDDEN_STATES, ATTENTIONS, QUESTION = "hidden_states", "attentions", "question"
 
 
-LEGACY_ROW_OPTIONS = {"align": (True, False), "stagger": ("none", "head", "layer", "head_layer"),
-                      "spread": ("period", "stride"), "overlap": (True, False), "mode": ("pool", "select")}
-"""Settings that ``phase_aware`` specs written before the presses were reshaped may carry and that did nothing
-under ``PhaseAwarePress``'s row budget (the grid and window settings of its per-window budgets, now
-:class:`~kvpress_phase.StaggeredWindowPress`): accepted with their former values, then ignored."""
+LEGACY_ROW_OPTIONS = ("align", "stagger", "spread", "overlap", "mode")
+"""Settings that ``phase_aware`` specs written before the presses were reshaped carried and that did nothing under
+``PhaseAwarePress``'s row budget (the grid and window settings of its per-window budgets, now
+:class:`~kvpress_phase.StaggeredWindowPress`): refused, naming the spelling of today (:func:`current_spelling`)."""
+
+
+def current_spelling(text: str) -> str:
+    """Today's spelling of a press spec written before the presses were reshaped, or ``text`` itself when it is
+    current: ``phase_aware:budget=window`` (or ``window_topk``) is ``staggered_window`` (``budget=window_topk``
+    kept, every other setting too); ``budget=row`` and :data:`LEGACY_ROW_OPTIONS` on ``phase_aware`` did nothing and
+    are dropped. Results written under a former spelling keep it as their label."""
+    name, *items = text.strip().split(":")
+    if name != "phase_aware":
+        return text.strip()
+    budget = next((item.partition("=")[2] for item in items if item.startswith("budget=")), None)
+    if budget in ("window", "window_topk"):
+        kept = [item for item in items if item != "budget=window"]
+        return ":".join(["staggered_window", *kept])
+    kept = [item for item in items
+            if item != "budget=row" and item.partition("=")[0] not in LEGACY_ROW_OPTIONS]
+    return ":".join(["phase_aware", *kept])
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,10 @@ class PressEntry:
     a chunk on its own: not KVzip, which scores whole contexts, nor random scores, which are no baseline)."""
     trainable: bool = False
     """A model can be fine-tuned with it in the loop (``kvpress-phase train --press``)."""
+    shared_scores: bool = False
+    """Its scores of a whole layer depend on the prefill alone (not on the ratio, the stride or the grid offset), so
+    the replay engine computes them once per prefill and reuses them, for the press itself and for ours when it is
+    their ``scorer=`` (:func:`shares_scores`). Not: random scores, and KVzip's, which are already per prefill."""
     setting_names: Optional[Callable[[dict], tuple]] = None
     """``setting_names(settings)``: the keys a ``"fields"`` press's spec may set, given the spec's settings (see
     :func:`press_settings`)."""
@@ -106,13 +126,9 @@ are committed has it."""
 
 
 def _phase_aware_settings(options: dict) -> tuple:
-    """``phase_aware``'s settings: ``StaggeredWindowPress``'s under ``budget=window``/``window_topk``, else
-    ``PhaseAwarePress``'s with ``allocate``, ``floor`` and ``share_heads`` (a budget wrapper, :data:`BUDGETS`),
-    ``budget``, ``window`` and the ignored :data:`LEGACY_ROW_OPTIONS`."""
-    if options.get("budget") in ("window", "window_topk"):
-        return _fields("StaggeredWindowPress", window=True)(options)
-    return _fields("PhaseAwarePress", "allocate", "floor", "share_heads", "budget", "window",
-                   *LEGACY_ROW_OPTIONS)(options)
+    """``phase_aware``'s settings: ``PhaseAwarePress``'s fields, with ``allocate``, ``floor`` and ``share_heads``
+    (a budget wrapper, :data:`BUDGETS`) and ``window`` (equal to the stride: the press has no windows)."""
+    return _fields("PhaseAwarePress", "allocate", "floor", "share_heads", "window")(options)
 
 
 def _budget_wrapper(press, allocate: str, floor, share_heads):
@@ -151,24 +167,14 @@ def _staggered_window(options: dict, a: BuildArgs):
 
 
 def _phase_aware(options: dict, a: BuildArgs):
-    """``PhaseAwarePress``, and the spellings written before the presses were reshaped: ``budget=window`` and
-    ``budget=window_topk`` are :class:`~kvpress_phase.StaggeredWindowPress`; ``budget=row`` is ``PhaseAwarePress``
-    (its only budget), where the settings of :data:`LEGACY_ROW_OPTIONS` did nothing."""
+    """``PhaseAwarePress``, inside the budget wrapper that ``allocate``, ``floor`` and ``share_heads`` name."""
     from kvpress_phase import PhaseAwarePress
 
     options = dict(options)
-    budget = options.pop("budget", "row")
-    if budget in ("window", "window_topk"):
-        return _staggered_window({"budget": budget, **options}, a)
-    if budget != "row":
-        raise ValueError(f"budget must be one of ('row', 'window', 'window_topk'), got {budget!r}")
-    for key, allowed in LEGACY_ROW_OPTIONS.items():
-        if key in options and options.pop(key) not in allowed:
-            raise ValueError(f"{key} must be one of {allowed}")
     window = options.pop("window", None) or a.window
     if window and window != a.stride:
         raise ValueError(f"window ({window}) must equal stride ({a.stride}) for PhaseAwarePress, whose choice has no "
-                         "windows; overlapping windows are StaggeredWindowPress's (budget=window)")
+                         "windows; overlapping windows are StaggeredWindowPress's (staggered_window)")
     budget = [options.pop(k, default) for k, default in (("allocate", "even"), ("floor", None), ("share_heads", True))]
     return _budget_wrapper(PhaseAwarePress(a.ratio, stride=a.stride, offset=a.offset, **options), *budget)
 
@@ -232,14 +238,15 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "wherever they are (no fixed budget per window)", _phase_aware,
                settings="fields", grid_offset=True, trainable=True, setting_names=_phase_aware_settings),
     PressEntry("staggered_window", "StaggeredWindowPress: a fixed budget per window on grids staggered per head, "
-               "aligned to the scores or overlapping (the studies' ablations; phase_aware:budget=window)",
+               "aligned to the scores or overlapping (the studies' ablations)",
                _staggered_window, settings="fields", grid_offset=True, in_default_job=False,
                setting_names=_fields("StaggeredWindowPress", window=True)),
     PressEntry("snapkv", "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
-               _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True),
-    PressEntry("knorm", "kvpress KnormPress (key norm)", _kvpress("KnormPress"), matched=True, chunk_scorer=True),
+               _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True, shared_scores=True),
+    PressEntry("knorm", "kvpress KnormPress (key norm)", _kvpress("KnormPress"), matched=True, chunk_scorer=True,
+               shared_scores=True),
     PressEntry("streaming_llm", "kvpress StreamingLLMPress (sink + recent tokens)", _kvpress("StreamingLLMPress"),
-               matched=True),
+               matched=True, shared_scores=True),
     PressEntry("chunkkv", "kvpress ChunkKVPress(SnapKVPress) with chunks of stride tokens (:scorer=NAME wraps "
                "another scorer)", _chunk("ChunkKVPress", "SnapKVPress"), settings="scorer", matched=True,
                default_scorer="snapkv"),
@@ -247,13 +254,13 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "scorer)", _chunk("ChunkPress", "KnormPress"), settings="scorer", matched=True, default_scorer="knorm"),
     PressEntry("expected_attention", "kvpress ExpectedAttentionPress (attention expected from future queries, "
                "extrapolated from the last hidden states)", _kvpress("ExpectedAttentionPress"),
-               reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True),
+               reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True, shared_scores=True),
     PressEntry("tova", "kvpress TOVAPress (attention of the last prefill token)", _kvpress("TOVAPress"),
-               reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True),
+               reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True, shared_scores=True),
     PressEntry("keydiff", "kvpress KeyDiffPress (keys least similar to the mean key)", _kvpress("KeyDiffPress"),
-               matched=True, chunk_scorer=True),
+               matched=True, chunk_scorer=True, shared_scores=True),
     PressEntry("pyramidkv", "kvpress PyramidKVPress (SnapKV scores, budgets shrinking with depth)",
-               _kvpress("PyramidKVPress"), reads=_WINDOW_ATTENTION, matched=True),
+               _kvpress("PyramidKVPress"), reads=_WINDOW_ATTENTION, matched=True, shared_scores=True),
     PressEntry("kvzip", "kvpress KVzipPress (attention while the model repeats the context; global budget across "
                "layers and heads, evicted entries masked, not removed)", _kvzip(False), masks=True, matched=True),
     PressEntry("kvzip_plus", "kvpress KVzipPress(kvzip_plus_normalization=True) (KVzip+: the attention scaled by the "
@@ -263,7 +270,7 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                default_scorer="keydiff", scorers=("knorm", "keydiff", "snapkv", "tova", "expected_attention", "kvzap")),
     PressEntry("kvzap", "kvpress KVzapPress with the scorer shipped for the model (learned KVzip+ scores from the "
                "layer's input, the same count per head)", _kvzap, reads=frozenset({HIDDEN_STATES}), matched=True,
-               in_default_job=False),
+               in_default_job=False, shared_scores=True),
 ]}
 """Every press the evaluation can run, by name (the CLI's ``list`` prints them in this order)."""
 
@@ -347,6 +354,20 @@ def prefill_reads(spec: PressSpec) -> frozenset:
     return reads - {QUESTION}
 
 
+def shares_scores(spec: PressSpec) -> bool:
+    """Whether the replay engine may compute the scores of a whole layer once per prefill for the press ``spec``
+    and reuse them at every ratio, stride and grid offset: a kvpress press whose entry is marked ``shared_scores``,
+    or ours around such a scorer (``scorer=NAME``; KeyDiff by default). Never kvpress's chunk wrappers (they score
+    parts of a layer), nor a scorer without an entry (random scores)."""
+    entry = spec.entry
+    if entry.settings == "none":
+        return entry.shared_scores
+    if entry.settings == "scorer":
+        return False
+    scorer = dict(spec.options).get("scorer", "keydiff")
+    return scorer in REGISTRY and REGISTRY[scorer].shared_scores
+
+
 def press_settings(name: str, options: Optional[dict] = None) -> tuple:
     """The keys a spec of the press ``name`` may set, given its other ``options``: ``scorer`` for kvpress's chunk
     wrappers, none for kvpress's other presses, and for ours their fields but those the run sets
@@ -398,6 +419,11 @@ def parse_press_spec(text: str) -> PressSpec:
     if name not in REGISTRY:
         raise ValueError(f"unknown press {name!r}; valid presses: {', '.join(REGISTRY)}")
     entry = REGISTRY[name]
+    if current_spelling(text) != text.strip():
+        raise ValueError(
+            f"press spec {text.strip()!r} is a former spelling: write {current_spelling(text)!r} (PhaseAwarePress's "
+            "per-window budgets are StaggeredWindowPress, staggered_window; budget=row and "
+            f"{', '.join(LEGACY_ROW_OPTIONS)} did nothing under PhaseAwarePress)")
     options = []
     for item in settings:
         key, sep, value = item.partition("=")

@@ -172,8 +172,11 @@ class ReplayEngine:
         return Prefill(context_ids.shape[1], cache, capture.inputs, reads, self.offload, context_ids=context_ids)
 
     @torch.inference_mode()
-    def compressed_cache(self, state: Prefill, press: Optional[BasePress]):
+    def compressed_cache(self, state: Prefill, press: Optional[BasePress], *, share_scores: bool = False):
         """A cache holding ``press``'s compression of ``state`` (the original tensors are not modified).
+
+        With ``share_scores`` (what the press's registry entry allows: :func:`.presses.shares_scores`), the scores
+        of each whole layer are computed once per prefill and reused by every later press that shares them.
 
         For :class:`KVzipMasks` (kvpress's ``KVzipPress``, which masks instead of removing) the cache is the full one;
         its masks are :meth:`masks`."""
@@ -194,7 +197,7 @@ class ReplayEngine:
         # kept with the prefill (the press itself is not kept alive by it): the masks this press left
         left[id(press)] = (weakref.ref(press) if press is not None else None, {})
         try:
-            with _shared_scores(press, state):
+            with _shared_scores(press, state, share_scores):
                 if getattr(press, "plans_across_layers", False):  # a budget across layers: every layer's scores
                     press.plan(state.inputs.values())
                 self._compress_layers(state, press, cache, device, left[id(press)][1])
@@ -260,7 +263,8 @@ class ReplayEngine:
 
     @torch.inference_mode()
     def answer_many(self, state: Prefill, presses: list, question_ids: torch.Tensor, max_new_tokens: int, *,
-                    needles: Optional[list] = None, batch_size: int = 16) -> list[dict]:
+                    needles: Optional[list] = None, batch_size: int = 16,
+                    share_scores: Optional[list] = None) -> list[dict]:
         """Greedy answers to one question under every press of ``presses``, decoded in batches.
 
         Presses whose compressed caches are equal are decoded once (:func:`cache_fingerprint`, masks included);
@@ -268,6 +272,7 @@ class ReplayEngine:
         the first answer drafting the others unless the engine decodes step by step; ``batch_size=1`` step by step
         gives exactly the pipeline's answers). With ``needles`` (a list of token spans), the
         needle-attention diagnostic of every press for every span is taken from the answer's first decoding step.
+        ``share_scores``: per press, whether its scores may be shared (:meth:`compressed_cache`; none when None).
         Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
         attends to), ``masses`` (one per needle, or None).
         """
@@ -319,7 +324,7 @@ class ReplayEngine:
         window = batch_size if self.step_by_step else 4 * batch_size
         order = sorted(range(len(presses)), key=lambda i: _press_sort_key(presses[i]))
         for n, i in enumerate(order):
-            cache = self.compressed_cache(state, presses[i])
+            cache = self.compressed_cache(state, presses[i], share_scores=bool(share_scores and share_scores[i]))
             masks = self.masks(state, presses[i])
             fp = (cache_fingerprint(state, cache), _mask_fingerprint(masks))
             built[i] = (cache, masks, fp)
@@ -383,20 +388,14 @@ def cache_fingerprint(state: Prefill, cache) -> tuple:
 
 
 @contextlib.contextmanager
-def _shared_scores(press, state: Prefill):
-    """While ``press`` compresses ``state``, its scorer's scores of a whole recorded layer are computed once per
-    prefill and scorer configuration and reused (they depend on neither the ratio nor the grid offset): SnapKV,
+def _shared_scores(press, state: Prefill, share: bool):
+    """While ``press`` compresses ``state``, with ``share`` (its registry entry's decision,
+    :func:`.presses.shares_scores`), its scorer's scores of a whole recorded layer are computed once per prefill and
+    scorer configuration and reused (they depend on neither the ratio nor the grid offset): SnapKV,
     expected-attention and the like cost more than the compression itself, and a sweep compresses one context at
-    every ratio, stride and offset. Scores of parts of a layer (kvpress's chunk presses) and random scores are not
-    shared."""
-    from kvpress import ScorerPress
-
-    from kvpress_phase.presses import WindowedPress
-    from kvpress_phase.presses.budget import BudgetPress
-
-    scorer = press.scorer if isinstance(press, (WindowedPress, BudgetPress)) else press
-    if (not isinstance(scorer, ScorerPress) or type(scorer).__name__ == "RandomPress" or "score" in vars(scorer)
-            or getattr(scorer, "needs_context", False)):  # KVzipScorer: its scores are already per prefill
+    every ratio, stride and offset. Scores of parts of a layer are not shared."""
+    scorer = getattr(press, "scorer", press)  # ours hold a scorer; kvpress's scorer presses are their own
+    if not share or press is None or "score" in vars(scorer):
         yield
         return
     settings = tuple((f.name, repr(getattr(scorer, f.name))) for f in dataclasses.fields(scorer)
@@ -409,7 +408,7 @@ def _shared_scores(press, state: Prefill):
         layer = recorded.get(id(keys))
         if layer is None or state.inputs[layer][2] is not keys:  # a part of a layer: not shared
             return original(module, hidden_states, keys, values, attentions, kwargs)
-        key = (type(scorer).__name__, settings, layer)
+        key = (type(scorer), settings, layer)
         if key not in memo:
             memo[key] = original(module, hidden_states, keys, values, attentions, kwargs)
         return memo[key].clone()  # a press may work on its scores in place

@@ -55,7 +55,7 @@ import pandas as pd
 import torch
 
 from .config import SETTINGS, EvalConfig, WorkUnit, check_model, config_differences, plan_units, variants
-from .presses import build_press, prefill_reads
+from .presses import build_press, prefill_reads, shares_scores
 from .prompting import check_tokenizer
 from .replay import Prefill, ReplayEngine, cache_fingerprint
 from .store import (PACKED, RESULTS_DIR, OutputDirInUse, output_lock, packed_path, read_results, read_shard, record_key,
@@ -193,7 +193,7 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
         question_ids = encoded["questions_ids"][0]
         needles = sorted({(row["needle_token_start"], row["needle_token_end"]) for row, *_ in pending})
         jobs: dict[tuple, int] = {}
-        presses = []
+        presses, shared = [], []
         for row, spec, ratio, window, record in pending:
             offset = row["offset"] if spec.entry.grid_offset else 0
             job = (spec.label, ratio, window, offset)
@@ -202,7 +202,8 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
                 presses.append(build_press(spec, ratio, unit.stride, window, offset,
                                            matched_context_length=state.context_length if config.matched_cache
                                            else None))
-        answers = engine.answer_many(state, presses, question_ids, max_new_tokens,
+                shared.append(shares_scores(spec))
+        answers = engine.answer_many(state, presses, question_ids, max_new_tokens, share_scores=shared,
                                      needles=needles if config.diagnostics else None,
                                      batch_size=config.decode_batch)
         full_masses: dict = {}

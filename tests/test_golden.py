@@ -92,7 +92,7 @@ def test_the_reshaping_translation_can_fail():
     row = dict(golden["phase_aware:residual=drop"], residual="'pool'")
     assert press_fields(build_press(parse_press_spec("phase_aware:residual=drop"), 0.5, 8, None, 0)) != reshaped(row)
     with pytest.raises(AssertionError):
-        reshaped(dict(golden["phase_aware:budget=window"], recent="0.5"))  # a row setting under a window budget
+        reshaped(dict(golden["staggered_window"], recent="0.5"))  # a row setting under a window budget
 
 
 @pytest.mark.slow

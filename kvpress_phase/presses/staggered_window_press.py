@@ -27,8 +27,8 @@ class StaggeredWindowPress(WindowedPress):
     The attempts to remove :class:`~kvpress_phase.ChunkedStridePress`'s weak phases while keeping a fixed budget
     per window, kept as the baselines and ablations the studies compared against (``docs/results/builtin-models.md``
     sections 3-4 and ``docs/results/r1-real-test.md``; the press the package recommends is :class:`~kvpress_phase.PhaseAwarePress`, which has no per-window budget).
-    Spelled ``phase_aware:budget=window`` and ``phase_aware:budget=window_topk`` in the evaluation's press specs, as
-    when these were options of ``PhaseAwarePress``.
+    ``staggered_window`` in the evaluation's press specs (``staggered_window:budget=window_topk``); results written
+    when these were options of ``PhaseAwarePress`` carry the labels ``phase_aware:budget=window`` and ``window_topk``.
 
     Steps: score (``scorer``), place each row's grid (below), then per window either the ``k`` slots of
     ``ChunkedStridePress`` (``budget="window"``: select or pool, ``mode``) or its ``k`` best tokens

@@ -127,7 +127,7 @@ def test_eval_refuses_a_press_listed_twice(presses, label, tmp_path, capsys):
 
 
 def test_presses_with_different_settings_are_distinct():
-    EvalConfig(presses=["chunked_stride", "chunked_stride:mode=pool", "phase_aware", "phase_aware:stagger=none"]
+    EvalConfig(presses=["chunked_stride", "chunked_stride:mode=pool", "phase_aware", "phase_aware:scorer=knorm"]
                ).validate()
 
 
@@ -497,8 +497,11 @@ def test_a_model_without_rotary_embeddings_is_refused_with_the_presses_message(c
                                 "settings: "),
     ("chunked_stride:stride=4", "press setting 'stride' in 'chunked_stride:stride=4' is set by --strides, not in the "
                                 "press spec; chunked_stride's settings: "),
-    ("phase_aware:budget=window:stager=head", "has no setting 'stager' (did you mean stagger?)"),
+    ("staggered_window:stager=head", "has no setting 'stager' (did you mean stagger?)"),
     ("staggered_window:widow=16", "has no setting 'widow' (did you mean window?)"),
+    ("phase_aware:budget=window:scorer=knorm", "is a former spelling: write 'staggered_window:scorer=knorm'"),
+    ("phase_aware:stagger=none", "is a former spelling: write 'phase_aware'"),
+    ("phase_aware:budget=row:scorer=snapkv", "is a former spelling: write 'phase_aware:scorer=snapkv'"),
 ])
 def test_an_unknown_press_setting_names_the_press_settings_before_the_model_loads(spec, message, tmp_path, capsys):
     err = _refused(["eval", "--model", "/no/such/model", "--presses", f"no_press,{spec}",

@@ -32,7 +32,7 @@ def model(word_tokenizer):
     return tiny_model("qwen3", vocab_size=len(word_tokenizer), seed=3)
 
 
-PRESSES = ["no_press", "chunked_stride", "chunked_stride:mode=select", "phase_aware", "phase_aware:align=true",
+PRESSES = ["no_press", "chunked_stride", "chunked_stride:mode=select", "phase_aware", "phase_aware:scorer=knorm",
            "knorm", "snapkv", "streaming_llm", "chunkkv", "chunk", "expected_attention", "tova", "keydiff"]
 # pyramidkv and kvzip: tests/evaluation/test_batched_decoding.py (kvpress's pipeline cannot run them here)
 
@@ -251,7 +251,7 @@ def test_prefill_records_only_what_the_presses_read(model, word_tokenizer):
 
     engine = ReplayEngine(model, word_tokenizer, step_by_step=True)
     lean_presses = ["no_press", "chunked_stride", "chunked_stride:mode=pool", "phase_aware", "keydiff",
-                    "phase_aware:scorer=knorm", "phase_aware:budget=window:scorer=knorm",
+                    "phase_aware:scorer=knorm", "staggered_window:scorer=knorm",
                     "knorm", "streaming_llm", "chunk"]
     reads = frozenset().union(*[prefill_reads(parse_press_spec(t)) for t in lean_presses])
     row, encoded, full = _row_state(engine, word_tokenizer)
@@ -295,7 +295,7 @@ def test_cache_fingerprint_tells_caches_apart(model, word_tokenizer):
 
     engine = ReplayEngine(model, word_tokenizer)
     row, encoded, state = _row_state(engine, word_tokenizer)
-    window = parse_press_spec("phase_aware:budget=window:scorer=knorm")  # aligned grids: the offset is unused
+    window = parse_press_spec("staggered_window:scorer=knorm")  # aligned grids: the offset is unused
     aligned = [engine.compressed_cache(state, build_press(window, 0.5, 8, None, o)) for o in (0, 3)]
     fixed = [engine.compressed_cache(state, build_press(parse_press_spec("chunked_stride"), 0.5, 8, None, o))
              for o in (0, 3)]
@@ -312,7 +312,7 @@ def test_cache_fingerprint_tells_caches_apart(model, word_tokenizer):
 
 def test_run_evaluation_gives_the_pipeline_answers(model, word_tokenizer, tmp_path):
     """End to end, with every reuse the runner makes (offset protocol: one context for all phases)."""
-    presses = ["no_press", "chunked_stride", "phase_aware", "phase_aware:align=false", "knorm", "snapkv"]
+    presses = ["no_press", "chunked_stride", "phase_aware", "phase_aware:scorer=keydiff", "knorm", "snapkv"]
     config = _config(presses=presses, protocol="offset", samples=1, context_lengths=[160])
     results = run_evaluation(config, model, word_tokenizer, str(tmp_path), progress=False)
     rows = generate("niah_single", word_tokenizer, n_samples=1, context_length=160, stride=4, phases=[0, 1, 2, 3],
@@ -323,8 +323,39 @@ def test_run_evaluation_gives_the_pipeline_answers(model, word_tokenizer, tmp_pa
     for row in rows:
         for text in presses:
             spec = parse_press_spec(text)
-            offset = row["offset"] if spec.name in ("chunked_stride", "phase_aware") else 0
+            offset = row["offset"] if spec.entry.grid_offset else 0
             direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"],
                           press=build_press(spec, 0.5, 4, None, offset), max_new_tokens=row["max_new_tokens"])
             assert got[(row["phase"], spec.label)] == direct["answer"], (row["phase"], text)
     assert results["needle_attention_ratio"].notna().all()
+
+
+@pytest.mark.parametrize("text,shared", [
+    ("snapkv", True), ("pyramidkv", True), ("kvzap", True), ("phase_aware", True),
+    ("phase_aware:scorer=snapkv", True), ("chunked_stride:scorer=tova", True),
+    ("phase_aware:scorer=random", False), ("phase_aware:scorer=kvzip", False), ("chunk", False),
+    ("chunkkv:scorer=keydiff", False), ("adakv", False), ("kvzip", False), ("no_press", False)])
+def test_the_registry_decides_which_scores_are_shared(text, shared):
+    from kvpress_phase.evaluation.presses import shares_scores
+
+    assert shares_scores(parse_press_spec(text)) is shared
+
+
+@pytest.mark.parametrize("text", ["snapkv", "phase_aware:scorer=snapkv", "phase_aware:scorer=tova:allocate=layers"])
+def test_shared_scores_give_the_caches_fresh_scores_give(model, word_tokenizer, text):
+    """Scores shared over ratios and offsets (the registry allows it for these) build the caches that scores
+    computed afresh build, and only a press that shares them fills the prefill's score memo."""
+    from kvpress_phase.evaluation.replay import cache_fingerprint
+
+    row = generate("niah_single", word_tokenizer, n_samples=1, context_length=200, stride=8, phases=[3])[0]
+    engine = ReplayEngine(model, word_tokenizer)
+    state = engine.prefill(engine.encode(row["context"], [row["question"]], row["answer_prefix"])["context_ids"])
+    spec = parse_press_spec(text)
+    jobs = [(ratio, offset) for ratio in (0.25, 0.5, 0.75) for offset in (0, 3)]
+    fresh = [cache_fingerprint(state, engine.compressed_cache(state, build_press(spec, r, 8, None, o)))
+             for r, o in jobs]
+    assert not state.memo.get("scores")
+    shared = [cache_fingerprint(state, engine.compressed_cache(state, build_press(spec, r, 8, None, o),
+                                                               share_scores=True)) for r, o in jobs]
+    assert state.memo["scores"] and shared == fresh
+    assert len(set(fresh)) > 1  # the ratios do build different caches
