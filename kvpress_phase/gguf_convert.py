@@ -27,10 +27,16 @@ import os
 from typing import Optional
 
 # llama.cpp's pre-tokenizer names (``tokenizer.ggml.pre``) for byte-level BPE vocabularies, and the split that each
-# names: single digits split off before GPT-2's pattern (StarCoder family, SmolLM), GPT-2's pattern alone, or
-# Llama 3's pattern (digits in groups of up to three).
+# names: single digits split off before GPT-2's pattern (StarCoder family, SmolLM), GPT-2's pattern alone, Llama 3's
+# pattern (digits in groups of up to three), or Qwen2's (Llama 3's with every digit on its own, the text NFC-normalised
+# first).
 _LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                    r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+_QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                  r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+_SPLIT_PATTERNS = {"llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN}
+_NFC_NORMALISED = frozenset({"qwen2"})
+"""Kinds whose text is NFC-normalised before it is split."""
 PRE_TOKENIZERS = {
     "default": "gpt2",
     "gpt-2": "gpt2",
@@ -40,6 +46,7 @@ PRE_TOKENIZERS = {
     "refact": "digits+gpt2",
     "llama-bpe": "llama3",
     "llama3": "llama3",
+    "qwen2": "qwen2",
 }
 """Byte-level BPE pre-tokenizers this conversion builds, by the GGUF's ``tokenizer.ggml.pre`` name."""
 
@@ -108,7 +115,7 @@ def _pre_tokenizer(kind: str):
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(_SPLIT_PATTERNS[kind]), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
 
@@ -117,9 +124,10 @@ def build_bpe_tokenizer(metadata: dict, model_max_length: int):
     """A ``PreTrainedTokenizerFast`` built from a byte-level BPE GGUF's vocabulary, merges and pre-tokenizer name.
 
     Nothing is prepended or appended on encode; BOS, EOS, UNK and padding are the GGUF's ids, except EOS, which is
-    the chat template's end-of-turn token when the template has one.
+    the chat template's end-of-turn token when the template has one, and BOS, which is left out when the file never
+    prepends it and the chat template never writes it. Qwen2's pre-tokenizer NFC-normalises the text first.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
 
     pre = metadata.get("tokenizer.ggml.pre", "default")
@@ -133,6 +141,8 @@ def build_bpe_tokenizer(metadata: dict, model_max_length: int):
     types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     vocab = {token: i for i, token in enumerate(tokens)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    if PRE_TOKENIZERS[pre] in _NFC_NORMALISED:
+        backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = _pre_tokenizer(PRE_TOKENIZERS[pre])
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -146,8 +156,13 @@ def build_bpe_tokenizer(metadata: dict, model_max_length: int):
 
     template = metadata.get("tokenizer.chat_template")
     eos = (end_of_turn_token(template, special) if template else None) or token("eos")
+    bos = token("bos")
+    if bos and template and bos not in template and not metadata.get("tokenizer.ggml.add_bos_token", True):
+        # never prepended, never written by the chat template: no token the model begins with (Qwen2's files name
+        # <|endoftext|> here; Qwen2's own tokenizer has no BOS)
+        bos = None
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=token("bos"), eos_token=eos, unk_token=token("unknown"),
+        tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token=token("unknown"),
         pad_token=token("padding") or eos, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
     )
     if template:

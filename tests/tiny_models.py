@@ -83,11 +83,12 @@ def _byte_chars() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def write_tiny_gguf(path: str, *, seed: int = 0, pre: str = "smollm", eos_id: int = 1, tie: bool = False,
-                    chat_template: str = CHATML_TEMPLATE):
+def write_tiny_gguf(path: str, *, seed: int = 0, pre: str = "smollm", eos_id: int = 1, bos_id: int = 1,
+                    tie: bool = False, chat_template: str = CHATML_TEMPLATE):
     """Write a tiny Llama with a byte-level BPE vocabulary (ChatML specials first, the 256 byte tokens, a few merges)
     to a float32 GGUF file the way llama.cpp's converter lays one out (q and k rows permuted for its RoPE). Returns
-    the source ``LlamaForCausalLM``. ``eos_id`` 1 (``<|im_start|>``) repeats the SmolLM2 file's wrong EOS."""
+    the source ``LlamaForCausalLM``. ``eos_id`` 1 (``<|im_start|>``) repeats the SmolLM2 file's wrong EOS; ``bos_id``
+    0 (``<|endoftext|>``) repeats the Qwen2 files' BOS, which nothing prepends."""
     import gguf
     import numpy as np
     import transformers as tf
@@ -124,7 +125,7 @@ def write_tiny_gguf(path: str, *, seed: int = 0, pre: str = "smollm", eos_id: in
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
+    writer.add_bos_token_id(bos_id)
     writer.add_eos_token_id(eos_id)
     writer.add_unk_token_id(0)
     writer.add_pad_token_id(2)

@@ -51,6 +51,22 @@ def test_repaired_tokenizer(converted):
     assert config["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
 
 
+def test_qwen2_pre_tokenizer(tmp_path):
+    """Qwen2's split: every digit on its own, one non-letter joined to the letters after it, contractions in any case;
+    the text NFC-normalised first. Its files' BOS (``<|endoftext|>``) is never prepended nor written by the chat
+    template, so the tokenizer has none."""
+    write_tiny_gguf(str(tmp_path / "qwen.gguf"), pre="qwen2", bos_id=0)
+    info = convert_gguf(str(tmp_path / "qwen.gguf"), str(tmp_path / "out"), progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert info["pre_tokenizer"] == "qwen2" and tok.eos_token == "<|im_end|>" and tok.bos_token is None
+    backend = tok.backend_tokenizer
+    assert backend.normalizer.normalize_str("cafe\u0301") == "caf\u00e9"
+    pieces = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str("x=(abc 2024) I'M ok")]
+    assert pieces == ["x", "=(", "abc", "Ġ", "2", "0", "2", "4", ")", "ĠI", "'M", "Ġok"]
+    text = "Caf\u00e9 2024: x = f(12) ; I'M"
+    assert tok.decode(tok.encode(text)) == text and tok.encode(text) == tok.encode(text, add_special_tokens=False)
+
+
 def test_unknown_pre_tokenizer_is_refused(tmp_path):
     write_tiny_gguf(str(tmp_path / "odd.gguf"), pre="some-new-model")
     with pytest.raises(ConversionError, match="pre-tokenizer 'some-new-model'"):
