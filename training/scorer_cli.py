@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .scorer_config import ScorerSettings
 
     d = {f.name: f.default for f in fields(ScorerSettings) if f.name != "model"}
-    parser.add_argument("--model", required=True, help="model name (builtin, chunked, smollm2: the real model, "
-                                                       "fetched on first use), local directory, .gguf file or hub id")
+    parser.add_argument("--model", required=True, help="model name (builtin, chunked, smollm2 or qwen2.5-coder-0.5b: "
+                                                       "real models, fetched on first use), local directory, .gguf file or hub id")
     parser.add_argument("--output-dir", required=True, help="where the scorers, their card and the cached features "
                                                             "go")
     parser.add_argument("--arch", choices=("linear", "mlp", "both"), default=d["arch"],
