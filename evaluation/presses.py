@@ -245,8 +245,9 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True, shared_scores=True),
     PressEntry("knorm", "kvpress KnormPress (key norm)", _kvpress("KnormPress"), matched=True, chunk_scorer=True,
                shared_scores=True),
+    # not shared_scores: StreamingLLM's scores mark the n_pruned tokens after the sink, so they depend on the ratio
     PressEntry("streaming_llm", "kvpress StreamingLLMPress (sink + recent tokens)", _kvpress("StreamingLLMPress"),
-               matched=True, shared_scores=True),
+               matched=True),
     PressEntry("chunkkv", "kvpress ChunkKVPress(SnapKVPress) with chunks of stride tokens (:scorer=NAME wraps "
                "another scorer)", _chunk("ChunkKVPress", "SnapKVPress"), settings="scorer", matched=True,
                default_scorer="snapkv"),

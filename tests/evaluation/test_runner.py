@@ -334,6 +334,7 @@ def test_run_evaluation_gives_the_pipeline_answers(model, word_tokenizer, tmp_pa
     ("snapkv", True), ("pyramidkv", True), ("kvzap", True), ("phase_aware", True),
     ("phase_aware:scorer=snapkv", True), ("chunked_stride:scorer=tova", True),
     ("phase_aware:scorer=random", False), ("phase_aware:scorer=kvzip", False), ("chunk", False),
+    ("streaming_llm", False),
     ("chunkkv:scorer=keydiff", False), ("adakv", False), ("kvzip", False), ("no_press", False)])
 def test_the_registry_decides_which_scores_are_shared(text, shared):
     from kvpress_phase.evaluation.presses import shares_scores
@@ -341,10 +342,19 @@ def test_the_registry_decides_which_scores_are_shared(text, shared):
     assert shares_scores(parse_press_spec(text)) is shared
 
 
-@pytest.mark.parametrize("text", ["snapkv", "phase_aware:scorer=snapkv", "phase_aware:scorer=tova:allocate=layers"])
+def _shared_by_the_registry():
+    from kvpress_phase.evaluation.presses import REGISTRY
+
+    # kvzap's scorer ships for the real models only (its scores are a map of the hidden states: no ratio in them)
+    names = [name for name, entry in REGISTRY.items() if entry.shared_scores and name != "kvzap"]
+    return names + ["phase_aware:scorer=snapkv", "phase_aware:scorer=tova:allocate=layers"]
+
+
+@pytest.mark.parametrize("text", _shared_by_the_registry())
 def test_shared_scores_give_the_caches_fresh_scores_give(model, word_tokenizer, text):
-    """Scores shared over ratios and offsets (the registry allows it for these) build the caches that scores
-    computed afresh build, and only a press that shares them fills the prefill's score memo."""
+    """Scores shared over ratios and offsets build the caches that scores computed afresh build, for every press
+    whose registry entry allows sharing (a press whose scores depend on the ratio, as StreamingLLM's do, must not be
+    marked), and only a press that shares them fills the prefill's score memo."""
     from kvpress_phase.evaluation.replay import cache_fingerprint
 
     row = generate("niah_single", word_tokenizer, n_samples=1, context_length=200, stride=8, phases=[3])[0]
