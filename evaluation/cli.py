@@ -58,7 +58,7 @@ DESCRIPTION = ("Phase evaluation of chunked KV-cache compression for kvpress: ho
                "answer falls in the compression windows, for ChunkedStridePress, PhaseAwarePress and kvpress's\n"
                "own presses.")
 """The description of ``kvpress-phase`` (its examples, with ``train``, are in :mod:`kvpress_phase.cli`)."""
-COMMANDS = ("eval", "report", "pack", "audit", "list")
+COMMANDS = ("eval", "report", "pack", "drop", "audit", "list")
 """The commands :func:`add_commands` adds, in that order."""
 
 
@@ -173,6 +173,16 @@ def add_commands(sub) -> None:
     pk.add_argument("runs", nargs="+", help="output directories of finished `kvpress-phase eval` runs")
     pk.add_argument("--incomplete", action="store_true",
                     help="pack a run that holds fewer answers than it planned (abandoned on purpose)")
+
+    dp = sub.add_parser("drop", help="take a press's answers out of a run, to answer them again by resuming it",
+                        description="Take every answer of the given press labels out of a `kvpress-phase eval` run "
+                                    "(a press found faulty after the run): they are kept in "
+                                    "results/dropped/N.parquet, the other answers stay (a packed run goes back to a "
+                                    "JSON-lines shard), and the run's own eval command then answers the dropped ones "
+                                    "again with today's code; pack it again when it has finished.")
+    dp.add_argument("run", help="output directory of a `kvpress-phase eval` run")
+    dp.add_argument("--presses", type=csv_list(str, "--presses"), required=True,
+                    help="comma-separated press labels as the run's answers name them (its report's press column)")
 
     au = sub.add_parser("audit", help="phase audit of any press: does its accuracy depend on where the needle falls "
                                       "in its chunks?", description=AUDIT_DESCRIPTION,
@@ -485,12 +495,27 @@ def _cmd_pack(args) -> int:
     return 0
 
 
+def _cmd_drop(args) -> int:
+    from .store import drop_answers
+
+    try:
+        done = drop_answers(args.run, args.presses)
+    except ValueError as exc:  # nothing was changed
+        raise UsageError(str(exc)) from None
+    counts = ", ".join(f"{n} of {p}" for p, n in done.dropped.items())
+    print(f"{args.run}: dropped {counts} (kept in {done.saved_to}); {done.kept} answers stay. Resume the run with "
+          "its `kvpress-phase eval` command to answer them again, then pack it.")
+    return 0
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run one of :data:`COMMANDS` from parsed flags; the exit code (:class:`UsageError` for bad input)."""
     if args.command == "list":
         return _cmd_list()
     if args.command == "pack":
         return _cmd_pack(args)
+    if args.command == "drop":
+        return _cmd_drop(args)
     if args.command == "report":
         return _cmd_report(args)
     if args.command == "audit":

@@ -217,6 +217,83 @@ def pack_run(output_dir: str, *, incomplete: bool = False) -> Packed:
     return Packed(len(records), size, os.path.getsize(target), removed)
 
 
+@dataclasses.dataclass
+class Dropped:
+    """What :func:`drop_answers` did: answers dropped per press label, answers kept, where the dropped ones went."""
+
+    dropped: dict
+    kept: int
+    saved_to: str
+
+
+DROPPED_DIR = "dropped"
+"""Where :func:`drop_answers` keeps the answers it took out of a run (``results/dropped/``; readers skip it)."""
+
+
+def drop_answers(output_dir: str, presses: list) -> Dropped:
+    """Take every answer of the press labels ``presses`` out of a run, so that resuming the run with its own
+    ``kvpress-phase eval`` command answers them again with today's code (a press found faulty after the run).
+
+    Nothing is lost: the dropped records go to ``results/dropped/<n>.parquet`` (read back and compared first), and
+    the kept ones stay where they were, or, for a packed run, go back to one JSON-lines shard (read back and compared
+    before the Parquet file is removed), since ``eval`` resumes only into shards. ValueError, changing nothing, for a
+    folder without answers, a label the run has no answer of (the run's labels are named), or a folder another
+    process is writing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    wanted = list(dict.fromkeys(presses))
+    if not wanted:
+        raise ValueError("name at least one press label to drop")
+    with output_lock(output_dir), warnings.catch_warnings():
+        warnings.simplefilter("error", ShardWarning)
+        packed = packed_path(output_dir)
+        shards = _shard_paths(output_dir)
+        try:
+            sources = [(path, read_shard(path)) for path in shards]
+        except ShardWarning as exc:
+            raise ValueError(f"{exc}; drop rewrites whole shards, so it needs shards without unreadable lines") \
+                from None
+        if os.path.exists(packed):
+            sources.append((packed, _read_packed(packed)))
+        labels = sorted({r["press"] for _, records in sources for r in records})
+        if not labels:
+            raise ValueError(f"{output_dir!r} holds no answers (results/*.jsonl or results/{PACKED})")
+        unknown = [p for p in wanted if p not in labels]
+        if unknown:
+            raise ValueError(f"{output_dir!r} has no answers of {', '.join(unknown)}; its presses: "
+                             f"{', '.join(labels)}")
+        gone = [r for _, records in sources for r in records if r["press"] in wanted]
+        folder = os.path.join(output_dir, RESULTS_DIR, DROPPED_DIR)
+        os.makedirs(folder, exist_ok=True)
+        saved = os.path.join(folder, f"{len(os.listdir(folder)) + 1}.parquet")
+        pq.write_table(pa.Table.from_pylist(gone), saved, compression="zstd")
+        if not all(_same(a, b) for a, b in zip(gone, _read_packed(saved))):
+            os.remove(saved)
+            raise ValueError(f"{output_dir!r}: the dropped answers could not be stored exactly; nothing changed")
+        kept = 0
+        for path, records in sources:
+            keep = [r for r in records if r["press"] not in wanted]
+            kept += len(keep)
+            if len(keep) == len(records):
+                continue
+            target = path if path != packed else os.path.join(output_dir, RESULTS_DIR, "results-rank0.jsonl")
+            if path == packed and os.path.exists(target):
+                target = os.path.join(output_dir, RESULTS_DIR, f"results-unpacked-{len(shards)}.jsonl")
+            tmp = target + ".tmp"
+            with open(tmp, "w") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in keep)
+            back = read_shard(tmp)
+            if len(back) != len(keep) or not all(_same(a, b) for a, b in zip(keep, back)):
+                os.remove(tmp)
+                raise ValueError(f"{output_dir!r}: {path} could not be rewritten exactly; it is left as it is")
+            os.replace(tmp, target)
+            if path == packed:
+                os.remove(packed)
+        counts = {p: sum(r["press"] == p for r in gone) for p in wanted}
+    return Dropped(counts, kept, saved)
+
+
 # ------------------------------------------------------------------------------------------------ merging runs
 UNKNOWN_MODEL = "unknown"
 """The model of a run folder without ``config.json`` (results written by other means): its answers merge only with

@@ -99,3 +99,30 @@ def test_packing_twice_or_a_folder_without_shards_is_refused(finished, tmp_path,
         pack_run(str(run))
     with pytest.raises(ValueError, match="no results shards"):
         pack_run(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------ drop
+@pytest.mark.parametrize("packed", [False, True], ids=["shards", "packed"])
+def test_dropped_answers_are_kept_aside_and_a_resume_answers_them_again(finished, tmp_path, capsys, packed):
+    run = _copy(finished, tmp_path)
+    before = read_results(str(run))
+    if packed:
+        pack_run(str(run))
+    assert cli.main(["drop", str(run), "--presses", "phase_aware"]) == 0
+    assert "dropped 4 of phase_aware" in capsys.readouterr().out
+    assert not (run / RESULTS_DIR / PACKED).exists()  # eval resumes only into shards
+    left = read_results(str(run))
+    assert set(left.press) == {"no_press"} and len(left) == 4
+    aside = pd.read_parquet(run / RESULTS_DIR / "dropped" / "1.parquet")
+    assert sorted(aside.key) == sorted(before[before.press == "phase_aware"].key)
+    assert cli.main(["eval", *TINY, "--output-dir", str(run)]) == 0  # the run's own command resumes it
+    pd.testing.assert_frame_equal(read_results(str(run)), before)
+
+
+def test_drop_refuses_a_press_the_run_has_no_answer_of_and_changes_nothing(finished, tmp_path, capsys):
+    run = _copy(finished, tmp_path)
+    shard = _shard(run).read_bytes()
+    assert cli.main(["drop", str(run), "--presses", "phase_aware,snapkv"]) == 2
+    err = capsys.readouterr().err
+    assert "no answers of snapkv" in err and "no_press, phase_aware" in err
+    assert _shard(run).read_bytes() == shard and not (run / RESULTS_DIR / "dropped").exists()
