@@ -152,6 +152,29 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _write_parquet_checked(records: list, target: str, what: str) -> None:
+    """Write ``records`` to the Parquet file ``target`` through a temporary file that is read back and compared
+    record by record (:func:`_same`) before it takes ``target``'s name; ValueError naming ``what``, and nothing
+    written, when Parquet cannot hold them exactly."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = target + ".tmp"
+    try:
+        pq.write_table(pa.Table.from_pylist(records), tmp, compression="zstd")
+        back = _read_packed(tmp)
+    except (pa.ArrowException, TypeError, ValueError) as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise ValueError(f"{what}: its records cannot be stored in Parquet as they are ({exc})") from None
+    bad = next((i for i, (a, b) in enumerate(zip(records, back)) if not _same(a, b)), None)
+    if len(back) != len(records) or bad is not None:
+        os.remove(tmp)
+        where = f"record {bad} ({records[bad]['key']})" if bad is not None else "the record count"
+        raise ValueError(f"{what}: the Parquet copy differs from the records at {where}; nothing removed")
+    os.replace(tmp, target)
+
+
 @dataclasses.dataclass
 class Packed:
     """What :func:`pack_run` did: answers packed, shard bytes before, Parquet bytes after, files removed."""
@@ -170,9 +193,6 @@ def pack_run(output_dir: str, *, incomplete: bool = False) -> Packed:
     ValueError, leaving everything as it was, for a folder without shards, a shard with an unreadable line (it
     would be lost), a run already packed, a run holding fewer answers than it planned (unless ``incomplete``: a run
     abandoned on purpose), a record that Parquet cannot hold exactly, or a folder another process is writing."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if os.path.exists(packed_path(output_dir)):
         raise ValueError(f"{output_dir!r} is packed already ({packed_path(output_dir)})")
     shards = _shard_paths(output_dir)
@@ -192,21 +212,7 @@ def pack_run(output_dir: str, *, incomplete: bool = False) -> Packed:
             raise ValueError(f"{output_dir!r} holds {answers} of {planned} planned answers: resume it with its "
                              "`kvpress-phase eval` command first, or pack it as it is with --incomplete")
         target = packed_path(output_dir)
-        tmp = target + ".tmp"
-        try:
-            table = pa.Table.from_pylist(records)
-            pq.write_table(table, tmp, compression="zstd")
-            back = _read_packed(tmp)
-        except (pa.ArrowException, TypeError, ValueError) as exc:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise ValueError(f"{output_dir!r}: its records cannot be packed as they are ({exc})") from None
-        bad = next((i for i, (a, b) in enumerate(zip(records, back)) if not _same(a, b)), None)
-        if len(back) != len(records) or bad is not None:
-            os.remove(tmp)
-            where = f"record {bad} ({records[bad]['key']})" if bad is not None else "the record count"
-            raise ValueError(f"{output_dir!r}: the packed answers differ from the shards at {where}; nothing removed")
-        os.replace(tmp, target)
+        _write_parquet_checked(records, target, f"{output_dir!r}")
         size = sum(os.path.getsize(p) for p in shards)
         removed = list(shards)
         merged_csv = os.path.join(output_dir, "results.csv")
@@ -237,11 +243,8 @@ def drop_answers(output_dir: str, presses: list) -> Dropped:
     Nothing is lost: the dropped records go to ``results/dropped/<n>.parquet`` (read back and compared first), and
     the kept ones stay where they were, or, for a packed run, go back to one JSON-lines shard (read back and compared
     before the Parquet file is removed), since ``eval`` resumes only into shards. ValueError, changing nothing, for a
-    folder without answers, a label the run has no answer of (the run's labels are named), or a folder another
-    process is writing."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    folder without answers, a label the run has no answer of (the run's labels are named), a folder holding both
+    shards and a packed file, or a folder another process is writing."""
     wanted = list(dict.fromkeys(presses))
     if not wanted:
         raise ValueError("name at least one press label to drop")
@@ -255,6 +258,8 @@ def drop_answers(output_dir: str, presses: list) -> Dropped:
             raise ValueError(f"{exc}; drop rewrites whole shards, so it needs shards without unreadable lines") \
                 from None
         if os.path.exists(packed):
+            if shards:  # eval never resumes into a packed run, so this is not a folder the tools wrote
+                raise ValueError(f"{output_dir!r} holds both shards and {PACKED}; drop handles one or the other")
             sources.append((packed, _read_packed(packed)))
         labels = sorted({r["press"] for _, records in sources for r in records})
         if not labels:
@@ -267,10 +272,7 @@ def drop_answers(output_dir: str, presses: list) -> Dropped:
         folder = os.path.join(output_dir, RESULTS_DIR, DROPPED_DIR)
         os.makedirs(folder, exist_ok=True)
         saved = os.path.join(folder, f"{len(os.listdir(folder)) + 1}.parquet")
-        pq.write_table(pa.Table.from_pylist(gone), saved, compression="zstd")
-        if not all(_same(a, b) for a, b in zip(gone, _read_packed(saved))):
-            os.remove(saved)
-            raise ValueError(f"{output_dir!r}: the dropped answers could not be stored exactly; nothing changed")
+        _write_parquet_checked(gone, saved, f"{output_dir!r}, the answers to drop")
         kept = 0
         for path, records in sources:
             keep = [r for r in records if r["press"] not in wanted]
@@ -278,8 +280,6 @@ def drop_answers(output_dir: str, presses: list) -> Dropped:
             if len(keep) == len(records):
                 continue
             target = path if path != packed else os.path.join(output_dir, RESULTS_DIR, "results-rank0.jsonl")
-            if path == packed and os.path.exists(target):
-                target = os.path.join(output_dir, RESULTS_DIR, f"results-unpacked-{len(shards)}.jsonl")
             tmp = target + ".tmp"
             with open(tmp, "w") as fh:
                 fh.writelines(json.dumps(r) + "\n" for r in keep)

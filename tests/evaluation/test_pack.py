@@ -126,3 +126,13 @@ def test_drop_refuses_a_press_the_run_has_no_answer_of_and_changes_nothing(finis
     err = capsys.readouterr().err
     assert "no answers of snapkv" in err and "no_press, phase_aware" in err
     assert _shard(run).read_bytes() == shard and not (run / RESULTS_DIR / "dropped").exists()
+
+
+def test_drop_refuses_a_folder_with_both_shards_and_a_packed_file(finished, tmp_path, capsys):
+    run = _copy(finished, tmp_path)
+    shard = _shard(run).read_bytes()
+    pack_run(str(run))
+    _shard(run).write_bytes(shard)
+    assert cli.main(["drop", str(run), "--presses", "phase_aware"]) == 2
+    assert "both shards and" in capsys.readouterr().err
+    assert (run / RESULTS_DIR / PACKED).exists() and _shard(run).read_bytes() == shard
