@@ -58,6 +58,27 @@ def paired(records: pd.DataFrame, against: str, by: tuple = ("setting", "compres
     return pd.DataFrame(rows)
 
 
+def paired_pooled(records: pd.DataFrame, press: str, against: str,
+                  unit: tuple = ("task", "sample_id")) -> dict:
+    """``press`` minus ``against`` pooled over every compressed answer of the runs, one value per text: a ``unit``
+    (task and sample; the runs of one seed draw the same text for a sample in every setting and length) is its mean
+    difference over the settings, lengths, ratios, strides and phases both presses answered, and the 95% t interval
+    is over those units. Pooling by text rather than by cell keeps the answers of one text (correlated across its
+    ratios, settings and lengths) from counting as independent. ValueError when either press has no answers."""
+    compressed = records[records.compression_ratio > 0]
+    for name in (press, against):
+        if name not in set(compressed.press):
+            raise ValueError(f"no compressed answers of {name!r} in these runs")
+    keys = list(unit) + ["setting", "context_length", "compression_ratio", "stride", "phase"]
+    scores = compressed[compressed.press.isin([press, against])].groupby(keys + ["press"])["score"].mean()
+    both = scores.unstack("press").dropna()
+    per_unit = (both[press] - both[against]).groupby(level=list(unit)).mean()
+    n = len(per_unit)
+    half = stats.t.ppf(0.975, n - 1) * per_unit.std(ddof=1) / np.sqrt(n) if n > 1 else float("nan")
+    return {"press": press, "against": against, "n": n, "answers": len(both), "diff": per_unit.mean(),
+            "low": per_unit.mean() - half, "high": per_unit.mean() + half}
+
+
 def paired_markdown(table: pd.DataFrame, against: str) -> str:
     tokens = "context_length" in table
     lines = [f"| press | setting |{' tokens |' if tokens else ''} ratio | samples | mean difference to `{against}` "

@@ -29,7 +29,7 @@ import pandas as pd
 from kvpress_phase.evaluation.metrics import boundary_test, phase_matrix, summarize
 from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec
 
-from studies.common import fmt_number, fmt_p, load, paired, paired_markdown
+from studies.common import fmt_number, fmt_p, load, paired, paired_markdown, paired_pooled
 
 CELL = ["setting", "task", "context_length", "stride", "compression_ratio"]
 
@@ -123,7 +123,8 @@ def depth_markdown(records: pd.DataFrame) -> str:
 def against_markdown(records: pd.DataFrame, results: pd.DataFrame, press: str, against: str) -> str:
     """``press`` against one press (``--against``, e.g. KVzip): its mean, the other's and the difference per cell, and
     the difference paired by sample per setting, length and ratio (the two tasks pooled; a sample's value is its mean
-    over the strides and phases), with a 95% t interval (:func:`~.dev_tables.paired`)."""
+    over the strides and phases), with a 95% t interval (:func:`~.common.paired`); and the difference pooled over all
+    the runs given, one value per text (:func:`~.common.paired_pooled`)."""
 
     lines = [f"### {press} against {against}", "", f"| setting | task | tokens | S | ratio | {press} | {against} | "
              "difference |", "|---|---|---|---|---|---|---|---|"]
@@ -137,6 +138,11 @@ def against_markdown(records: pd.DataFrame, results: pd.DataFrame, press: str, a
     table = paired(results, against,
                    by=("setting", "context_length", "compression_ratio"))
     lines += ["", paired_markdown(table[table.press == press], against), ""]
+    pooled = paired_pooled(results, press, against)
+    lines += [f"Pooled over these runs, one value per text (task and sample: its mean difference over the settings, "
+              f"lengths, ratios, strides and phases; {pooled['answers']} paired answer groups): "
+              f"{pooled['diff']:+.3f} [{pooled['low']:+.3f}, {pooled['high']:+.3f}] over {pooled['n']} texts "
+              "(95% t interval).", ""]
     return "\n".join(lines)
 
 

@@ -55,3 +55,47 @@ def test_against_compares_cell_by_cell_and_paired(run_dir, capsys):
     assert main([run_dir, "--press", HEADS, "--reference", "phase_aware:allocate=heads:share_heads=false:recent=0.25",
                  "--against", "kvzip"]) == 2  # not answered in this run
     assert "--against 'kvzip' has no answers" in capsys.readouterr().err
+
+
+def _flat_split(rng, shift=0.0, texts=24):
+    """Answers of two presses on the same texts where only ``shift`` separates them: every text has its own
+    difficulty (shared by both presses, every setting, ratio and phase), so a text's answers are correlated."""
+    import itertools
+
+    import numpy as np
+    import pandas as pd
+
+    rows = []
+    for task, sample in itertools.product(("a", "b"), range(texts // 2)):
+        easy = rng.uniform(0.2, 0.9)
+        for setting, ratio, stride in itertools.product(("agnostic", "question"), (0.25, 0.75), (5, 8)):
+            for phase in range(stride):
+                for press, p in (("ours", easy + shift), ("theirs", easy)):
+                    rows.append({"task": task, "sample_id": sample, "setting": setting, "context_length": 1024,
+                                 "compression_ratio": ratio, "stride": stride, "phase": phase, "press": press,
+                                 "score": float(rng.random() < min(p, 1.0))})
+    return pd.DataFrame(rows)
+
+
+def test_the_pooled_interval_holds_its_level_under_a_flat_truth():
+    """Simulated null (the same texts, the same chance of an answer for both presses): the 95% interval excludes 0 in
+    about 5% of splits. A pooling that counted every answer as independent would exclude it far more often."""
+    import numpy as np
+
+    from studies.common import paired_pooled
+
+    rng = np.random.default_rng(0)
+    fired = [not (t["low"] <= 0 <= t["high"]) for t in
+             (paired_pooled(_flat_split(rng), "ours", "theirs") for _ in range(300))]
+    assert 0.01 <= np.mean(fired) <= 0.10
+
+
+def test_the_pooled_interval_sees_a_real_difference_and_refuses_a_missing_press():
+    import numpy as np
+
+    from studies.common import paired_pooled
+
+    table = paired_pooled(_flat_split(np.random.default_rng(1), shift=0.25), "ours", "theirs")
+    assert table["n"] == 24 and table["low"] > 0.1
+    with pytest.raises(ValueError, match="no compressed answers of 'kvzip'"):
+        paired_pooled(_flat_split(np.random.default_rng(1)), "ours", "kvzip")
