@@ -117,9 +117,11 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
                 held = "a run of another configuration (its config.json)"
             raise ValueError(f"--output-dir {output_dir!r} holds {held} (use another --output-dir, or the same "
                              "arguments to resume)")
-    elif rank == 0:
-        with open(config_path, "w") as fh:
+    elif rank == 0:  # written whole or not at all: another rank may read it the moment it exists
+        tmp = f"{config_path}.tmp"
+        with open(tmp, "w") as fh:
             json.dump(saved, fh, indent=2)
+        os.replace(tmp, config_path)
 
     shard_path = os.path.join(output_dir, RESULTS_DIR, f"results-rank{rank}.jsonl")
     done = {r["key"] for r in read_shard(shard_path, resume=True)}  # cuts a torn last line into <shard>.cut

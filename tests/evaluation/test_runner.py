@@ -93,6 +93,24 @@ def test_changed_arguments_do_not_mix_into_old_results(model, word_tokenizer, tm
         run_evaluation(_config(samples=2), model, word_tokenizer, str(tmp_path), progress=False)
 
 
+def test_config_json_never_appears_half_written(model, word_tokenizer, tmp_path, monkeypatch):
+    # under torchrun every other rank reads config.json as soon as it exists: rank 0 must not create it empty and
+    # fill it afterwards (a rank that read it in between failed with a JSON error)
+    config_path = tmp_path / "config.json"
+    seen = []
+    real_dump = json.dump
+
+    def dump(obj, fh, **kw):
+        seen.append(config_path.exists())
+        return real_dump(obj, fh, **kw)
+
+    monkeypatch.setattr(json, "dump", dump)
+    run_evaluation(_config(samples=1), model, word_tokenizer, str(tmp_path), progress=False)
+    assert seen and not any(seen), "config.json existed while its contents were being written"
+    assert json.loads(config_path.read_text())["config"]["samples"] == 1
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 TWO_PROCESS_TIMEOUT = 900
 """Seconds the two-process job may take: about 30 s on 2 idle cores, many times that when other jobs share them."""
 
@@ -130,7 +148,10 @@ def test_two_processes_write_shards_and_merge_deterministically(tmp_path):
         stdout, stderr = job.communicate()
         pytest.fail(f"the two-process run (torchrun --standalone --nproc_per_node 2, one thread per worker) did not "
                     f"finish within {TWO_PROCESS_TIMEOUT} s; its stderr ends with:\n{stderr[-3000:]}")
-    assert job.returncode == 0, f"torchrun exited with code {job.returncode}:\n{stderr[-3000:]}"
+    if job.returncode != 0:  # each worker's own lines: the one that failed first is not the one that printed last
+        per_rank = {r: [ln for ln in stderr.splitlines() if ln.startswith(f"[rank{r}]")][-25:] for r in (0, 1)}
+        pytest.fail(f"torchrun exited with code {job.returncode}:\n" + "\n".join(
+            f"--- rank {r} ---\n" + "\n".join(lines) for r, lines in per_rank.items()) + f"\n--- tail ---\n{stderr[-1500:]}")
     shards = sorted(os.listdir(out / "results"))
     assert shards == ["results-rank0.jsonl", "results-rank1.jsonl"]
     merged = read_results(str(out))
