@@ -29,14 +29,20 @@ CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))
 
 
 # ------------------------------------------------------------------------------------------------ the shipped scorer
-def test_shipped_smollm2_scorer_is_the_trained_one_by_hash():
-    card = json.load(open(os.path.join(ROOT, "outputs", "scorers", "smollm2", "scorer_card.json")))
+@pytest.mark.parametrize("folder, trained, shape", [
+    ("smollm2", "smollm2", (30, 576, 3, None)),
+    ("qwen2_5_coder_0_5b", "qwen2.5-coder-0.5b", (24, 896, 2, None)),
+])
+def test_shipped_scorer_is_the_trained_one_by_hash(folder, trained, shape):
+    """Each shipped scorer is the linear map its ``train-scorer`` run wrote (``outputs/scorers/<model>/``), byte for
+    byte, with the model's shape."""
+    card = json.load(open(os.path.join(ROOT, "outputs", "scorers", trained, "scorer_card.json")))
     recorded = card["archs"]["linear"]["weights_sha256"]
     for name in ("config.json", "model.safetensors"):
-        with open(os.path.join(SHIPPED, "smollm2", name), "rb") as fh:
+        with open(os.path.join(SHIPPED, folder, name), "rb") as fh:
             assert hashlib.sha256(fh.read()).hexdigest() == recorded[name], name
-    config = KVzapConfig.from_pretrained(os.path.join(SHIPPED, "smollm2"))
-    assert (config.n_modules, config.input_dim, config.output_dim, config.hidden_dim) == (30, 576, 3, None)
+    config = KVzapConfig.from_pretrained(os.path.join(SHIPPED, folder))
+    assert (config.n_modules, config.input_dim, config.output_dim, config.hidden_dim) == shape
 
 
 def test_a_model_without_a_shipped_scorer_is_refused_by_name():
