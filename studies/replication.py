@@ -1,0 +1,208 @@
+"""The verdicts of the second-model replication (``docs/preregistration-second-model.md``), claim by claim.
+
+    python -m studies.replication --main outputs/qwen-replication/agnostic outputs/qwen-replication/question \\
+        --audit outputs/qwen-replication/audit-L20 outputs/qwen-replication/audit-L8 \\
+        --output docs/results/qwen/verdicts.md
+
+Every claim is read by the rule the pre-registration wrote for it, from the cells' permutation p-values (Holm over the
+family the claim names), the cells' means and the paired differences by sample (:mod:`studies.common`). A verdict is
+``replicated``, ``not replicated`` or ``undetectable at this sample size``; a cell is *at the floor* (a 0.55 drop
+cannot show) where the press's mean is below 0.25 or ``no_press`` answers its task below 0.5. Claims whose runs are
+not given (or not yet answered) read ``not run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+import numpy as np
+import pandas as pd
+
+from kvpress_phase.evaluation.metrics import holm, summarize
+from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec
+
+from studies.common import fmt_p, load, paired, paired_pooled
+from studies.targets import CELL, targets
+
+ALPHA = 0.05
+FLOOR_MEAN, FLOOR_NO_PRESS = 0.25, 0.5
+BASELINES = "snapkv,knorm,streaming_llm,chunkkv,chunk,expected_attention,tova,keydiff,pyramidkv,kvzip"
+D = "phase_aware:scorer=kvzap:allocate=layers"
+G = "phase_aware:scorer=kvzap:allocate=layers_heads:share_heads=false"
+NOT_RUN = "not run"
+
+
+def label(spec: str) -> str:
+    return parse_press_spec(spec).label
+
+
+def with_floor(records: pd.DataFrame) -> pd.DataFrame:
+    """``records`` (one row per cell and press) with ``no_press`` (that task's uncompressed mean in the same setting,
+    length and stride), ``at_floor`` and the weakest phase."""
+    full = records[records.press == "no_press"].set_index(["setting", "task", "context_length", "stride"])["mean"]
+    out = records[records.compression_ratio > 0].copy()
+    out["no_press"] = [full.get((r.setting, r.task, r.context_length, r.stride), np.nan) for r in out.itertuples()]
+    out["at_floor"] = (out["mean"] < FLOOR_MEAN) | (out["no_press"] < FLOOR_NO_PRESS)
+    out["weakest"] = [int(np.nanargmin(np.asarray([np.nan if x is None else x for x in p], float)))
+                      if p is not None and len(p) and not all(x is None for x in p) else -1 for p in out.per_phase]
+    return out
+
+
+def family(records: pd.DataFrame, cells: pd.Series) -> pd.DataFrame:
+    """The rows ``cells`` selects, with the Holm-adjusted p over them (a cell without a p counts as p = 1)."""
+    part = records[cells].copy()
+    part["p_holm"] = holm(part.p_value.fillna(1.0).to_numpy()) if len(part) else []
+    return part
+
+
+def audit_claims(records: Optional[pd.DataFrame]) -> list[dict]:
+    """A1-A3 over the six audit cells, Holm over the six."""
+    if records is None:
+        return [{"claim": c, "verdict": NOT_RUN, "evidence": ""} for c in ("A1", "A2", "A3")]
+    keydiff, knorm, chunkkv = label("chunk:scorer=keydiff"), label("chunk"), label("chunkkv")
+    cells = ((records.press == keydiff) & (records.stride == 20) & np.isclose(records.compression_ratio, 0.125)) | \
+            ((records.press == knorm) & (records.stride == 8) & np.isclose(records.compression_ratio, 0.25)) | \
+            ((records.press == chunkkv) & (records.stride == 20) & np.isclose(records.compression_ratio, 0.125))
+    fam = family(records, cells)
+
+    def show(part):
+        return "; ".join(f"{r.task} mean {r.mean:.2f}, p {fmt_p(r.p_value)}, Holm {fmt_p(r.p_holm)}"
+                         f"{' (floor)' if r.at_floor else ''}" for r in part.itertuples()) or "no cells"
+
+    a1 = fam[fam.press == keydiff]
+    if (a1.p_holm < ALPHA).any():
+        v1 = "replicated"
+    elif len(a1) == 2 and not a1.at_floor.any():
+        v1 = "not replicated"
+    else:
+        v1 = "undetectable at this sample size"
+    a2 = fam[(fam.press == knorm) & (fam.task == "niah_multikey")]
+    if len(a2) and (a2.p_holm < ALPHA).any():
+        v2 = "replicated"
+    elif len(a2) and not a2.at_floor.any():
+        v2 = "not replicated"
+    else:
+        v2 = "undetectable at this sample size"
+    a3 = fam[fam.press == chunkkv]
+    v3 = "new finding: weak phases" if (a3.p_holm < ALPHA).any() else "no phase effect detected (reported)"
+    return [{"claim": "A1", "verdict": v1, "evidence": show(a1)},
+            {"claim": "A2", "verdict": v2, "evidence": show(a2)},
+            {"claim": "A3", "verdict": v3, "evidence": show(a3)}]
+
+
+def r1_claims(records: pd.DataFrame, baselines: list[str]) -> list[dict]:
+    """B1-B3 over the 16 cells at ratios 0.25 and 0.5 (``records``: every cell and press, ``no_press`` included)."""
+    floored = with_floor(records)
+    low = floored[floored.compression_ratio <= 0.5 + 1e-9]
+    chunked = family(low, low.press == "chunked_stride")
+    hit = chunked[(chunked.p_holm < ALPHA) & (chunked.weakest != 0) & (chunked.weakest != chunked.stride - 1)]
+    readable = int((~chunked.at_floor & (chunked["mean"] < 1.0)).sum())
+    if len(hit):
+        b1 = "replicated"
+    elif not (chunked.p_holm < ALPHA).any() and readable >= 4:
+        b1 = "not replicated"
+    else:
+        b1 = "undetectable at this sample size"
+    ev1 = (f"{int((chunked.p_holm < ALPHA).sum())} of {len(chunked)} cells Holm p < 0.05, {len(hit)} with the weakest "
+           f"phase inside the window ({', '.join(f'{r.task} {r.setting} S={r.stride} r={r.compression_ratio:g}: phase {r.weakest}' for r in hit.itertuples())}); "
+           f"{readable} cells neither at the floor nor at 1.00")
+    flat = family(low, low.press == "phase_aware")
+    b2 = "replicated" if len(flat) and not (flat.p_holm < ALPHA).any() else "not replicated"
+    ev2 = f"smallest Holm p {fmt_p(flat.p_holm.min() if len(flat) else None)} over {len(flat)} cells"
+    t = targets(records[records.compression_ratio <= 0.5 + 1e-9], "phase_aware", "chunked_stride", baselines)
+    t2 = t["t2"].dropna()
+    b3 = "replicated" if len(t2) and t2.mean() >= 0.8 else ("not replicated" if len(t2) else
+                                                             "undetectable at this sample size")
+    ev3 = f"met in {int(t2.sum())} of {len(t2)} cells where chunked_stride loses 0.10 or more"
+    return [{"claim": "B1", "verdict": b1, "evidence": ev1}, {"claim": "B2", "verdict": b2, "evidence": ev2},
+            {"claim": "B3", "verdict": b3, "evidence": ev3}]
+
+
+def interval(d: dict) -> str:
+    return f"{d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+
+
+def both_settings(results: pd.DataFrame, press: str, against: str) -> dict:
+    """``press`` minus ``against`` pooled over ratios, per setting (:func:`~studies.common.paired_pooled`)."""
+    return {s: paired_pooled(part, press, against) for s, part in results.groupby("setting")}
+
+
+def comparison_claims(records: pd.DataFrame, results: pd.DataFrame, baselines: list[str]) -> list[dict]:
+    """C1-C4 and T1 of every design over the 24 cells; C2-C4 need both settings ("incomplete" until both answered)."""
+    t = targets(records, "phase_aware", "chunked_stride", baselines)
+    low = t[np.isclose(t.ratio, 0.25)]["t3"].dropna()
+    c1 = "replicated" if len(low) and low.mean() >= 0.8 else "not replicated"
+    out = [{"claim": "C1", "verdict": c1, "evidence": f"within 0.03 of the best baseline in {int(low.sum())} of "
+                                                       f"{len(low)} ratio-0.25 cells"}]
+    table = paired(results, "phase_aware")
+    kv = table[(table.press == "kvzip") & np.isclose(table.ratio, 0.75)]
+    above = [r.low > 0 for r in kv.itertuples()]
+    c2 = "replicated" if above and all(above) else ("not replicated" if above and not any(above) else "split")
+    incomplete = results.setting.nunique() < 2
+    out.append({"claim": "C2", "verdict": c2, "evidence": "; ".join(
+        f"{r.setting}: kvzip - phase_aware {r.diff:+.3f} [{r.low:+.3f}, {r.high:+.3f}]" for r in kv.itertuples())})
+    c3 = both_settings(results, "phase_aware", "keydiff")
+    out.append({"claim": "C3", "verdict": "replicated" if all(d["low"] > 0 for d in c3.values()) else "not replicated",
+                "evidence": "; ".join(f"{s}: phase_aware - keydiff {interval(d)}" for s, d in c3.items())})
+    d, g = label(D), label(G)
+    c4 = both_settings(results, d, "phase_aware")
+    cells = records[records.compression_ratio > 0].set_index(CELL + ["press"])["mean"].unstack("press")
+    g_ok = (cells[g] >= cells["kvzip_plus"] - 0.03 - 1e-9)
+    out.append({"claim": "C4", "verdict": "replicated" if all(x["low"] > 0 for x in c4.values()) else "not replicated",
+                "evidence": "; ".join(f"{s}: D - phase_aware {interval(x)}" for s, x in c4.items()) +
+                f"; G within 0.03 of KVzip+ in {int(g_ok.sum())} of {len(g_ok)} cells "
+                f"({'met' if g_ok.mean() >= 0.8 else 'missed'}, target 80%)"})
+    if incomplete:
+        for row in out[1:]:
+            row["verdict"] = f"incomplete (one setting answered; reads {row['verdict']} so far)"
+    for name in ("chunked_stride", "phase_aware", d, g):
+        fam = family(records, records.press == name)
+        out.append({"claim": f"T1 {name}", "verdict": "flat" if not (fam.p_holm < ALPHA).any() else "phase effect",
+                    "evidence": f"smallest Holm p {fmt_p(fam.p_holm.min() if len(fam) else None)} over {len(fam)} "
+                                "cells"})
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| claim | verdict | evidence |", "|---|---|---|"]
+    lines += [f"| {r['claim']} | {r['verdict']} | {r['evidence']} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--main", nargs="*", default=[], help="runs 1-2 (claims B and C)")
+    parser.add_argument("--audit", nargs="*", default=[], help="run 3's directories (claims A)")
+    parser.add_argument("--baselines", default=BASELINES)
+    parser.add_argument("--output", help="write the Markdown here as well as to stdout")
+    args = parser.parse_args(argv)
+    if not args.main and not args.audit:
+        print("replication: error: give --main and/or --audit run directories", file=sys.stderr)
+        return 2
+    baselines = [b for b in (label(x) for x in args.baselines.split(",") if x)
+                 if getattr(REGISTRY.get(b.split(":")[0]), "matched", False)]
+    rows = []
+    try:
+        audit = with_floor(pd.DataFrame(summarize(load(args.audit), n_resamples=200))) if args.audit else None
+        rows += audit_claims(audit)
+        if args.main:
+            results = load(args.main)
+            records = pd.DataFrame(summarize(results, n_resamples=200))
+            rows += r1_claims(records, baselines) + comparison_claims(records, results, baselines)
+        else:
+            rows += [{"claim": c, "verdict": NOT_RUN, "evidence": ""} for c in ("B1", "B2", "B3", "C1", "C2", "C3", "C4")]
+    except (ValueError, KeyError) as exc:
+        print(f"replication: error: {exc}", file=sys.stderr)
+        return 2
+    text = markdown(rows)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
