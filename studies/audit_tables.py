@@ -25,7 +25,7 @@ import pandas as pd
 from kvpress_phase.evaluation.metrics import boundary_test, holm, phase_matrix
 from kvpress_phase.evaluation.store import read_results
 
-from studies.common import fmt_number, fmt_p
+from studies.common import emit, fmt_number, fmt_p
 from studies.targets import depth_markdown
 
 AUDIT_CELLS = {"chunk": (0.125, 0.25), "chunk:scorer=keydiff": (0.125,), "chunked_stride": (0.125, 0.25)}
@@ -142,10 +142,7 @@ def main(argv: Optional[list] = None) -> int:
         print(f"audit_tables: error: {exc}", file=sys.stderr)
         return 2
     text = cells_markdown(cells) + "\n" + depth_markdown(cells)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as fh:
-            fh.write(text)
+    emit(text, args.output)
     if args.figure:
         figure(cells, summary[summary.press == "no_press"], args.figure)
     return 0

@@ -24,6 +24,14 @@ def load(runs: list[str]) -> pd.DataFrame:
     return results
 
 
+def emit(text: str, output=None) -> None:
+    """Print a study's Markdown, and write it to ``output`` as well when one is given."""
+    print(text)
+    if output:
+        with open(output, "w") as fh:
+            fh.write(text)
+
+
 def fmt_number(x, digits=3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 

@@ -23,7 +23,7 @@ import pandas as pd
 from kvpress_phase.evaluation.metrics import holm, summarize
 from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec
 
-from studies.common import fmt_p, load, paired, paired_pooled
+from studies.common import emit, fmt_p, load, paired, paired_pooled
 from studies.targets import CELL, targets
 
 ALPHA = 0.05
@@ -197,10 +197,7 @@ def main(argv: Optional[list] = None) -> int:
         print(f"replication: error: {exc}", file=sys.stderr)
         return 2
     text = markdown(rows)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as fh:
-            fh.write(text)
+    emit(text, args.output)
     return 0
 
 

@@ -29,7 +29,7 @@ import pandas as pd
 from kvpress_phase.evaluation.metrics import boundary_test, phase_matrix, summarize
 from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec
 
-from studies.common import fmt_number, fmt_p, load, paired, paired_markdown, paired_pooled
+from studies.common import emit, fmt_number, fmt_p, load, paired, paired_markdown, paired_pooled
 
 CELL = ["setting", "task", "context_length", "stride", "compression_ratio"]
 
@@ -188,10 +188,7 @@ def main(argv: Optional[list] = None) -> int:
     if against:
         parts.append(against_markdown(records, results, press, against))
     text = "\n".join(parts + [science(results, records), depth_markdown(records)])
-    print(text)
-    if args.output:
-        with open(args.output, "w") as fh:
-            fh.write(text)
+    emit(text, args.output)
     return 0
 
 
