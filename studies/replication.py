@@ -105,9 +105,11 @@ def r1_claims(records: pd.DataFrame, baselines: list[str]) -> list[dict]:
         b1 = "not replicated"
     else:
         b1 = "undetectable at this sample size"
-    ev1 = (f"{int((chunked.p_holm < ALPHA).sum())} of {len(chunked)} cells Holm p < 0.05, {len(hit)} with the weakest "
-           f"phase inside the window ({', '.join(f'{r.task} {r.setting} S={r.stride} r={r.compression_ratio:g}: phase {r.weakest}' for r in hit.itertuples())}); "
-           f"{readable} cells neither at the floor nor at 1.00")
+    significant = chunked[chunked.p_holm < ALPHA]
+    cells = ", ".join(f"{r.task} {r.setting} S={r.stride} r={r.compression_ratio:g}: weakest phase {r.weakest}, "
+                      f"Holm {fmt_p(r.p_holm)}" for r in significant.itertuples())
+    ev1 = (f"{len(significant)} of {len(chunked)} cells Holm p < 0.05 ({cells or 'none'}), {len(hit)} with the weakest "
+           f"phase inside the window; {readable} cells neither at the floor nor at 1.00")
     flat = family(low, low.press == "phase_aware")
     b2 = "replicated" if len(flat) and not (flat.p_holm < ALPHA).any() else "not replicated"
     ev2 = f"smallest Holm p {fmt_p(flat.p_holm.min() if len(flat) else None)} over {len(flat)} cells"
