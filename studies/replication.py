@@ -2,7 +2,8 @@
 
     python -m studies.replication --main outputs/qwen-replication/agnostic outputs/qwen-replication/question \\
         --audit outputs/qwen-replication/audit-L20 outputs/qwen-replication/audit-L8 \\
-        --output docs/results/qwen/verdicts.md
+        --output docs/results/qwen/verdicts.md \\
+        --reference outputs/real-test/agnostic-1024 outputs/real-test/question-1024 --figure docs/results/qwen/profiles.png
 
 Every claim is read by the rule the pre-registration wrote for it, from the cells' permutation p-values (Holm over the
 family the claim names), the cells' means and the paired differences by sample (:mod:`studies.common`). A verdict is
@@ -14,6 +15,7 @@ not given (or not yet answered) read ``not run``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -167,6 +169,57 @@ def comparison_claims(records: pd.DataFrame, results: pd.DataFrame, baselines: l
     return out
 
 
+def profiles_figure(results: pd.DataFrame, path: str, press: str = "chunked_stride",
+                    shown: Optional[pd.DataFrame] = None) -> None:
+    """``press``'s accuracy by phase, one panel per ratio (rows) and stride (columns) at ratios up to 0.5 (B1's
+    cells; only the strides and ratios of ``shown`` where given), one line per model and setting, pooled over the
+    tasks, with a 95% Wilson band (answers score 0 or 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from scipy.stats import binomtest
+
+    part = results[(results.press == press) & (results.compression_ratio > 0) &
+                   (results.compression_ratio <= 0.5 + 1e-9)]
+    if shown is not None:
+        part = part[part.stride.isin(shown.stride.unique()) & part.compression_ratio.isin(shown.compression_ratio.unique())]
+    if part.empty:
+        raise ValueError(f"no answers of {press!r} at ratios 0.25-0.5 to plot")
+    strides, ratios = sorted(part.stride.unique()), sorted(part.compression_ratio.unique())
+    fig, axes = plt.subplots(len(ratios), len(strides), figsize=(4.4 * len(strides), 3.0 * len(ratios) + 0.9),
+                             squeeze=False, sharey=True)
+    lines = part.groupby(["model", "setting", "stride", "compression_ratio", "phase"])["score"].agg(["sum", "count"])
+    colours, styles = {}, {"query_agnostic": "-"}
+    for (model, setting), rows in lines.groupby(level=["model", "setting"]):
+        colour = colours.setdefault(model, f"C{len(colours)}")
+        for (stride, ratio), cell in rows.groupby(level=["stride", "compression_ratio"]):
+            ax = axes[ratios.index(ratio)][strides.index(stride)]
+            phases = cell.index.get_level_values("phase")
+            k, n = np.rint(cell["sum"]).astype(int), cell["count"].astype(int)
+            band = np.array([binomtest(int(a), int(b)).proportion_ci(method="wilson") for a, b in zip(k, n)])
+            ax.plot(phases, cell["sum"] / n, marker=".", color=colour, linestyle=styles.get(setting, "--"),
+                    label=f"{model}, {setting.replace('_', '-')}")
+            ax.fill_between(phases, band[:, 0], band[:, 1], color=colour, alpha=0.08)
+            ax.set_title(f"stride {stride}, ratio {ratio:g}", fontsize=9)
+            ax.set_ylim(-0.05, 1.05)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+    for ax in axes[-1]:
+        ax.set_xlabel("phase of the answer's first token")
+    for row in axes:
+        row[0].set_ylabel("accuracy (both tasks)")
+    legend = {}
+    for ax in axes.flat:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(f"{press} by phase on each model (offset protocol, 1,024 tokens; bands: 95% Wilson)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| claim | verdict | evidence |", "|---|---|---|"]
     lines += [f"| {r['claim']} | {r['verdict']} | {r['evidence']} |" for r in rows]
@@ -179,6 +232,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--audit", nargs="*", default=[], help="run 3's directories (claims A)")
     parser.add_argument("--baselines", default=BASELINES)
     parser.add_argument("--output", help="write the Markdown here as well as to stdout")
+    parser.add_argument("--figure", help="draw chunked_stride's accuracy by phase on these runs (and --reference's) here")
+    parser.add_argument("--reference", nargs="*", default=[],
+                        help="the first model's runs at the same strides (R1's), drawn beside --main in --figure")
     args = parser.parse_args(argv)
     if not args.main and not args.audit:
         print("replication: error: give --main and/or --audit run directories", file=sys.stderr)
@@ -195,6 +251,11 @@ def main(argv: Optional[list] = None) -> int:
             rows += r1_claims(records, baselines) + comparison_claims(records, results, baselines)
         else:
             rows += [{"claim": c, "verdict": NOT_RUN, "evidence": ""} for c in ("B1", "B2", "B3", "C1", "C2", "C3", "C4")]
+        if args.figure:
+            if not args.main:
+                raise ValueError("--figure draws --main's runs: give them")
+            both = pd.concat([load(args.reference), results]) if args.reference else results
+            profiles_figure(both, args.figure, shown=results)
     except (ValueError, KeyError) as exc:
         print(f"replication: error: {exc}", file=sys.stderr)
         return 2
