@@ -9,7 +9,7 @@ Every claim is read by the rule the pre-registration wrote for it, from the cell
 family the claim names), the cells' means and the paired differences by sample (:mod:`studies.common`). A verdict is
 ``replicated``, ``not replicated`` or ``undetectable at this sample size``; a cell is *at the floor* (a 0.55 drop
 cannot show) where the press's mean is below 0.25 or ``no_press`` answers its task below 0.5. Claims whose runs are
-not given (or not yet answered) read ``not run``.
+not given read ``not run``, and claims whose cells are still answering read ``incomplete``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from studies.targets import CELL, targets
 
 ALPHA = 0.05
 FLOOR_MEAN, FLOOR_NO_PRESS = 0.25, 0.5
+SAMPLES, AUDIT_CELLS = 16, 6  # the pre-registration's samples per phase, and the audit family's size
 BASELINES = "snapkv,knorm,streaming_llm,chunkkv,chunk,expected_attention,tova,keydiff,pyramidkv,kvzip"
 D = "phase_aware:scorer=kvzap:allocate=layers"
 G = "phase_aware:scorer=kvzap:allocate=layers_heads:share_heads=false"
@@ -59,8 +60,25 @@ def family(records: pd.DataFrame, cells: pd.Series) -> pd.DataFrame:
     return part
 
 
+def unfinished(cells: pd.DataFrame, expected: Optional[int] = None) -> Optional[str]:
+    """Why ``cells`` are not yet the finished runs' cells (fewer than ``expected`` cells, a phase without answers, or
+    fewer than ``SAMPLES`` samples), or None when they are."""
+    if expected is not None and len(cells) < expected:
+        return f"{len(cells)} of {expected} cells answered"
+    short = [r for r in cells.itertuples()
+             if getattr(r, "n_samples", SAMPLES) < SAMPLES or any(x is None for x in r.per_phase)]
+    return f"{len(short)} of {len(cells)} cells still answering" if short else None
+
+
+def mark_incomplete(rows: list[dict], why: Optional[str]) -> list[dict]:
+    for row in rows:
+        if why:
+            row["verdict"] = f"incomplete ({why}; reads {row['verdict']} so far)"
+    return rows
+
+
 def audit_claims(records: Optional[pd.DataFrame]) -> list[dict]:
-    """A1-A3 over the six audit cells, Holm over the six."""
+    """A1-A3 over the six audit cells, Holm over the six ("incomplete" until all six have every sample)."""
     if records is None:
         return [{"claim": c, "verdict": NOT_RUN, "evidence": ""} for c in ("A1", "A2", "A3")]
     keydiff, knorm, chunkkv = label("chunk:scorer=keydiff"), label("chunk"), label("chunkkv")
@@ -89,9 +107,9 @@ def audit_claims(records: Optional[pd.DataFrame]) -> list[dict]:
         v2 = "undetectable at this sample size"
     a3 = fam[fam.press == chunkkv]
     v3 = "new finding: weak phases" if (a3.p_holm < ALPHA).any() else "no phase effect detected (reported)"
-    return [{"claim": "A1", "verdict": v1, "evidence": show(a1)},
-            {"claim": "A2", "verdict": v2, "evidence": show(a2)},
-            {"claim": "A3", "verdict": v3, "evidence": show(a3)}]
+    return mark_incomplete([{"claim": "A1", "verdict": v1, "evidence": show(a1)},
+                            {"claim": "A2", "verdict": v2, "evidence": show(a2)},
+                            {"claim": "A3", "verdict": v3, "evidence": show(a3)}], unfinished(fam, AUDIT_CELLS))
 
 
 def r1_claims(records: pd.DataFrame, baselines: list[str]) -> list[dict]:
@@ -248,7 +266,8 @@ def main(argv: Optional[list] = None) -> int:
         if args.main:
             results = load(args.main)
             records = pd.DataFrame(summarize(results, n_resamples=200))
-            rows += r1_claims(records, baselines) + comparison_claims(records, results, baselines)
+            rows += mark_incomplete(r1_claims(records, baselines) + comparison_claims(records, results, baselines),
+                                    unfinished(records[records.compression_ratio > 0]))
         else:
             rows += [{"claim": c, "verdict": NOT_RUN, "evidence": ""} for c in ("B1", "B2", "B3", "C1", "C2", "C3", "C4")]
         if args.figure:

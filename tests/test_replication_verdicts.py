@@ -85,3 +85,13 @@ def test_the_profiles_figure_is_drawn_and_refuses_a_press_without_answers(tmp_pa
     assert path.stat().st_size > 1000
     with pytest.raises(ValueError, match="no answers of 'phase_aware'"):
         profiles_figure(answers, str(path), press="phase_aware")
+
+
+def test_an_audit_still_answering_reads_incomplete_not_a_verdict():
+    records = _records(0.001, 0.5)
+    missing = records[~((records.press == "chunk") & (records.task == "niah_multikey"))]
+    assert all(v.startswith("incomplete (5 of 6 cells answered; reads ") for v in _verdicts(missing).values())
+    records.at[records.index[records.press == "chunkkv"][0], "per_phase"] = [0.8] * 19 + [None]
+    assert _verdicts(records)["A1"] == "incomplete (1 of 6 cells still answering; reads replicated so far)"
+    records["n_samples"] = 12
+    assert _verdicts(records)["A2"].startswith("incomplete (6 of 6 cells still answering")
