@@ -1,10 +1,9 @@
 """The replication's verdict rules (``studies.replication``) on hand-made cell summaries: each verdict can come out
 either way, and a cell at the floor makes a phase claim undetectable rather than refuted."""
 
+import numpy as np
 import pandas as pd
 import pytest
-
-import numpy as np
 
 from studies.replication import audit_claims, profiles_figure, r1_claims, with_floor
 
