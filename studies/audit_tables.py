@@ -23,15 +23,15 @@ import numpy as np
 import pandas as pd
 
 from kvpress_phase.evaluation.metrics import boundary_test, holm, phase_matrix
-from kvpress_phase.evaluation.store import read_results
-
 from studies.common import emit, fmt_number, fmt_p
+from studies.common import load as load_answers
 from studies.targets import depth_markdown
 
 AUDIT_CELLS = {"chunk": (0.125, 0.25), "chunk:scorer=keydiff": (0.125,), "chunked_stride": (0.125, 0.25)}
 """The audit's cells by press: the ratios the screen admitted (docs/preregistration-chunk-audit.md, deviation 1)."""
 
 LABELS = {"chunk": "ChunkPress(KnormPress)", "chunk:scorer=keydiff": "ChunkPress(KeyDiffPress)",
+          "chunkkv": "ChunkKVPress(SnapKVPress)",
           "chunked_stride": "ChunkedStridePress()", "no_press": "no compression"}
 
 
@@ -41,34 +41,38 @@ def load(runs: list[str], cells: Optional[dict] = AUDIT_CELLS) -> tuple[pd.DataF
 
     ``cells`` maps a press label to its audited ratios (default: this study's :data:`AUDIT_CELLS`); None audits every
     press and ratio of the runs but ``no_press`` (an audit of one's own press with ``kvpress-phase audit``)."""
-    records, results = [], []
+    records = []
     for run in runs:
         path = os.path.join(run, "summary.json")
         if not os.path.exists(path):
             raise ValueError(f"{run} has no summary.json: run `kvpress-phase eval` (or `report`) there first")
         with open(path) as fh:
             records.extend(json.load(fh))
-        results.append(read_results(run))
     summary = pd.DataFrame(records)
-    results = pd.concat(results, ignore_index=True)
+    results = load_answers(runs)
     control = summary[summary.press == "no_press"].set_index(["task", "stride"])["mean"]
     keep = [press != "no_press" if cells is None else ratio in cells.get(press, ())
             for press, ratio in zip(summary.press, summary.compression_ratio)]
     audited = summary[keep].copy()
     audited["control"] = [control.get((t, s), np.nan) for t, s in zip(audited.task, audited.stride)]
     audited["holm_p"] = holm(audited.p_value.fillna(1.0))
-    boundary = []
+    boundary, models = [], []
     for r in audited.itertuples():
         sub = results[(results.task == r.task) & (results.stride == r.stride) & (results.press == r.press)
                       & (results.compression_ratio == r.compression_ratio)]
         boundary.append(boundary_test(phase_matrix(sub, r.stride)[0]))
+        models.append(", ".join(sorted(sub.model.unique())))
+    audited["model"] = models
     audited["boundary_diff"] = [d for d, _ in boundary]
     audited["boundary_p"] = [p for _, p in boundary]
     return audited.sort_values(["press", "stride", "compression_ratio", "task"]).reset_index(drop=True), summary
 
 
 def cells_markdown(cells: pd.DataFrame) -> str:
-    lines = [f"Audit cells: {len(cells)} (Holm over all of them). Prefix protocol, query-agnostic, 1,024 tokens.", "",
+    setting = ", ".join(f"{', '.join(str(v) for v in sorted(cells[col].unique()))}{unit}"
+                        for col, unit in (("model", ""), ("protocol", " protocol"), ("setting", ""),
+                                          ("context_length", " tokens")))
+    lines = [f"Audit cells: {len(cells)} (Holm over all of them). {setting.replace('_', '-')}.", "",
              "| press | L | ratio | task | cache | accuracy | no compression | p | Holm p | cross-fitted gap [95% CI] | "
              "detectable | weakest phases | boundary L-1 minus others (p) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -114,12 +118,16 @@ def figure(cells: pd.DataFrame, summary_control: pd.DataFrame, path: str) -> Non
             ax.set_ylim(-0.05, 1.05)
             ax.xaxis.get_major_locator().set_params(integer=True)
         axes[i][0].set_ylabel("accuracy")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    legend = fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    entries = {}  # every press of every panel, once
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    legend = fig.legend(list(entries.values()), list(entries), loc="lower center", ncol=3, fontsize=8, frameon=False)
     for handle in legend.legend_handles:
         handle.set_linewidth(1.5)
-    fig.suptitle("Phase audit of kvpress's chunked presses (SmolLM2-135M-Instruct, prefix protocol; thick lines: "
-                 "a phase effect after Holm)", fontsize=10)
+    fig.suptitle(f"Phase audit of kvpress's chunked presses ({', '.join(sorted(cells.model.unique()))}, "
+                 f"{', '.join(sorted(cells.protocol.unique()))} protocol)\nthick lines: a phase effect after Holm over "
+                 f"the {len(cells)} cells)", fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -38,6 +38,8 @@ def test_the_screen_formats_into_the_audit_cells(tmp_path):
     assert cells.boundary_p.between(0, 1).all()
     text = cells_markdown(cells) + depth_markdown(cells)
     assert "| chunk:scorer=keydiff | 8 | 0.125 | niah_single |" in text
+    assert set(cells.model) == {"smollm2"}  # read from the runs, not assumed: the title and header name it
+    assert "smollm2, prefix protocol, query-agnostic, 1024 tokens." in text
     figure = tmp_path / "audit.png"
     assert main([SCREEN, "--figure", str(figure), "--output", str(tmp_path / "t.md")]) == 0
     assert figure.stat().st_size > 10_000
