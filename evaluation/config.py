@@ -136,6 +136,13 @@ def as_flags(name: str, value) -> str:
     return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 
+def from_saved(saved: dict) -> EvalConfig:
+    """The :class:`EvalConfig` of a configuration a run saved (``config.json``'s ``"config"``), keys that are not
+    fields (written by other versions) left out; TypeError or ValueError when it is not one."""
+    names = {f.name for f in dataclasses.fields(EvalConfig)}
+    return EvalConfig(**{k: v for k, v in saved.items() if k in names})
+
+
 def config_differences(saved: dict, config: EvalConfig) -> list[tuple[str, str, str]]:
     """``(field, saved, current)`` for each field where the configuration ``saved`` with a run (``config.json``'s
     ``"config"``) differs from ``config``, both values written as flags (:func:`as_flags`). A field the saved run

@@ -342,11 +342,10 @@ def saved_config(output_dir: str) -> Optional[dict]:
 
 
 def _planned(config: dict) -> Optional[int]:
-    from .config import EvalConfig, planned_answers
+    from .config import from_saved, planned_answers
 
-    names = {f.name for f in dataclasses.fields(EvalConfig)}
     try:
-        return planned_answers(EvalConfig(**{k: v for k, v in config.items() if k in names}))
+        return planned_answers(from_saved(config))
     except (TypeError, ValueError, KeyError):  # a press or task that no longer exists: the plan is unknown
         return None
 
