@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .presses import PressSpec, parse_press_spec
-from .tasks import PROTOCOLS, check_context_length, generate, get_task
+from .tasks import PROTOCOLS, TASKS, check_context_length, generate, get_task
 
 SETTINGS = {False: "query_agnostic", True: "question_compressed"}
 """The ``setting`` column: the question appended after compression (kvpress's pipeline, query-agnostic) or
@@ -43,10 +43,20 @@ class EvalConfig:
     allow_duplicate_k: bool = False
     decode_batch: int = 16
     step_by_step: bool = False
+    task_revisions: dict = field(default_factory=dict)
+    """Task -> the revision of its definition the run uses (:attr:`~.tasks.TaskSpec.revision`); a task left out is at
+    today's. Filled in for every task on creation, so that ``config.json`` records it; a run saved before tasks had
+    revisions used revision 1 of each (:func:`from_saved`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task_revisions, dict):
+            raise ValueError(f"task_revisions must be a dict of task name -> revision, got {self.task_revisions!r}")
+        known = {t: get_task(t).revision for t in self.tasks if isinstance(t, str) and t in TASKS}
+        self.task_revisions = {t: self.task_revisions.get(t, today) for t, today in known.items()}
 
     def validate(self) -> None:
         for name in self.tasks:
-            get_task(name)
+            get_task(name).at(self.task_revisions.get(name))
         labels = [parse_press_spec(spec).label for spec in self.presses]
         if not self.tasks or not self.presses:
             raise ValueError("tasks and presses must not be empty")
@@ -93,6 +103,9 @@ class EvalConfig:
         for name, default in _LATER_FIELDS.items():  # fields added later: at their defaults, old runs resume
             if values.get(name) == default:
                 values.pop(name)
+        revised = revised_tasks(values.pop("task_revisions"))  # revision 1 of every task: runs made before revisions
+        if revised:
+            values["task_revisions"] = revised
         return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
     def resumes(self, fingerprint: Optional[str]) -> bool:
@@ -127,6 +140,8 @@ def as_flags(name: str, value) -> str:
     """The field ``name`` at ``value`` as the ``eval`` flags that give it: ``--seed 1``, ``--strides 4,8``,
     ``--query-aware``, ``no --query-aware``, ``no --windows``."""
     flag = FLAGS.get(name, name)
+    if name == "task_revisions":  # no flag: a run takes today's definitions
+        return "tasks as first defined" if not value else ", ".join(f"{t} at revision {r}" for t, r in value.items())
     if isinstance(value, bool):
         return flag if value != (name == "diagnostics") else f"no {flag}"
     if value is None:
@@ -140,7 +155,17 @@ def from_saved(saved: dict) -> EvalConfig:
     """The :class:`EvalConfig` of a configuration a run saved (``config.json``'s ``"config"``), keys that are not
     fields (written by other versions) left out; TypeError or ValueError when it is not one."""
     names = {f.name for f in dataclasses.fields(EvalConfig)}
-    return EvalConfig(**{k: v for k, v in saved.items() if k in names})
+    fields = {k: v for k, v in saved.items() if k in names}
+    if "task_revisions" not in fields:  # saved before tasks had revisions: every task as first defined
+        fields["task_revisions"] = {t: 1 for t in fields.get("tasks", [])}
+    return EvalConfig(**fields)
+
+
+def revised_tasks(revisions: Optional[dict]) -> dict:
+    """The tasks of ``revisions`` (task -> revision) past their first revision, sorted: what a run's fingerprint and
+    its comparison with another configuration look at (a task at revision 1 is as every run before revisions had
+    it)."""
+    return {t: r for t, r in sorted((revisions or {}).items()) if r != 1}
 
 
 def config_differences(saved: dict, config: EvalConfig) -> list[tuple[str, str, str]]:
@@ -155,6 +180,8 @@ def config_differences(saved: dict, config: EvalConfig) -> list[tuple[str, str, 
         old = saved.get(name, _LATER_FIELDS.get(name))
         if name == "model" and old is None and value == DEFAULT_MODEL:
             continue
+        if name == "task_revisions":
+            old, value = revised_tasks(old), revised_tasks(value)
         if old != value:
             out.append((name, as_flags(name, old), as_flags(name, value)))
     return out
@@ -197,7 +224,8 @@ def plan_units(config: EvalConfig, tokenizer) -> list[WorkUnit]:
             for stride in config.strides:
                 phases = config.phases if config.phases is not None else list(range(stride))
                 ds = generate(task, tokenizer, n_samples=config.samples, context_length=context_length,
-                              stride=stride, phases=phases, protocol=config.protocol, seed=config.seed)
+                              stride=stride, phases=phases, protocol=config.protocol, seed=config.seed,
+                              revision=config.task_revisions.get(task))
                 by_sample: dict[int, list] = {}
                 for row in ds:
                     by_sample.setdefault(row["sample_id"], []).append(row)

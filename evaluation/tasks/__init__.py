@@ -43,10 +43,11 @@ Seeds: evaluation examples come from ``derive_seed("eval", task, seed, sample in
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
 
 from kvpress_phase.core.phase import phase_of
 
@@ -95,6 +96,12 @@ class TaskSpec:
         Scoring rule: every reference must appear (True), or any one of them (False).
     description : str
         One line.
+    revision : int
+        The task's definition today; raised whenever a change would change its answers (a prompt, a budget), so
+        that a run records which definition it used (``EvalConfig.task_revisions``) and is planned again with it.
+    earlier : dict
+        ``{revision: {"max_new_tokens": ..., "options": {...}}}``: what each earlier revision had instead of
+        today's (:meth:`at`).
     """
 
     name: str
@@ -104,6 +111,20 @@ class TaskSpec:
     max_new_tokens: int
     require_all: bool
     description: str
+    revision: int = 1
+    earlier: dict = field(default_factory=dict)
+
+    def at(self, revision: Optional[int]) -> "TaskSpec":
+        """The task as it was defined at ``revision`` (today's when None); ValueError for one it never had."""
+        if revision is None or revision == self.revision:
+            return self
+        if revision not in self.earlier:
+            known = ", ".join(map(str, sorted([*self.earlier, self.revision])))
+            raise ValueError(f"task {self.name!r} has no revision {revision!r}; its revisions: {known}")
+        change = self.earlier[revision]
+        return dataclasses.replace(self, revision=revision, earlier={},
+                                   max_new_tokens=change.get("max_new_tokens", self.max_new_tokens),
+                                   options={**self.options, **change.get("options", {})})
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -117,8 +138,11 @@ TASKS: dict[str, TaskSpec] = {
                  "several values for one key; return all"),
         TaskSpec("niah_multiquery", "ruler", niah.build_multiquery, niah.MULTIQUERY_OPTIONS, 24, True,
                  "several keys asked at once; return all values"),
-        TaskSpec("vt", "ruler", vt.build, vt.OPTIONS, 16, True,
-                 "variable tracking: every variable that holds a value"),
+        # revision 2 (2026-12-04): RULER's budget (tokens_to_generate 30) and an answer prefix that, like RULER's,
+        # gives the count and ends with a colon; revision 1 gave 16 tokens after "... are", which cut most answers
+        TaskSpec("vt", "ruler", vt.build, vt.OPTIONS, 30, True,
+                 "variable tracking: every variable that holds a value", revision=2,
+                 earlier={1: {"max_new_tokens": 16, "options": {"prefix": "plain"}}}),
         TaskSpec("qa_single_doc", "longbench", qa.build_single, qa.SINGLE_OPTIONS, 6, False,
                  "one fact about one person in a report about many"),
         TaskSpec("qa_multi_doc", "longbench", qa.build_multi, qa.MULTI_OPTIONS, 6, False,
@@ -210,6 +234,7 @@ def generate(
     protocol: str = "prefix",
     offset: int = 0,
     seed: int = 0,
+    revision: Optional[int] = None,
     **task_options,
 ):
     """Generate a phase-controlled evaluation set as a ``datasets.Dataset``.
@@ -236,6 +261,9 @@ def generate(
         Window grid offset in ``[0, stride)`` used by the ``"prefix"`` protocol (ignored by ``"offset"``).
     seed : int
         Evaluation seed in ``[0, 10**6)``.
+    revision : int, optional
+        The task's definition to generate (:attr:`TaskSpec.revision`, today's when None): how a run made with an
+        earlier one is planned again.
     **task_options
         Task-specific options (see ``TASKS[task_name].options``).
 
@@ -243,7 +271,7 @@ def generate(
     """
     import datasets
 
-    spec = get_task(task_name)
+    spec = get_task(task_name).at(revision)
     options = _resolve_options(spec, task_options)
     if not _is_int(n_samples) or n_samples < 1:
         raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")

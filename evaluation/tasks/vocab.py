@@ -184,7 +184,11 @@ MULTIQUERY_PREFIX = "The special magic numbers for {keys} are"
 VT_ASSIGN_VALUE = "VAR {name} = {value}."
 VT_ASSIGN_VAR = "VAR {name} = VAR {source}."
 VT_QUESTION = "Which variables are assigned the value {value} in the text above?"
-VT_PREFIX = "The variables assigned the value {value} are"
+VT_PREFIX = "The {count} variables assigned the value {value} in the text above are:"
+"""vt's answer prefix since revision 2: like RULER's ("... {num_v} variables are assigned the value {query}, they are:
+"), it gives the count and ends with a colon, so the answer is the list itself (words the built-in model knows)."""
+VT_PREFIX_PLAIN = "The variables assigned the value {value} are"
+"""vt's answer prefix in revision 1 (``prefix="plain"``), kept so that runs made with it can be planned again."""
 
 FACTS = {
     # fact kind: (statement, question, answer prefix, value list name)
@@ -242,6 +246,7 @@ _TEMPLATE_TEXTS = (
         VT_ASSIGN_VAR,
         VT_QUESTION,
         VT_PREFIX,
+        VT_PREFIX_PLAIN,
         QA_SINGLE_TITLE,
         QA_DOC_HEADER,
         PARAGRAPH_HEADER,

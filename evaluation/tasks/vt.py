@@ -5,6 +5,9 @@ A chain starts with "VAR apple = 48 21." and continues with ``n_hops`` copies "V
 values. The question gives the value of the target chain and asks for every variable that holds it; all of
 them must be returned. The answer-bearing needle is the chain's first statement, and the phase is that of the
 first variable name in it.
+
+The answer prefix follows RULER's (the count of variables, then a colon: option ``prefix="ruler"``, the default
+since revision 2 of the task); ``prefix="plain"`` is revision 1's "The variables assigned the value ... are".
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 from . import vocab
 from .base import Block, BuildContext, Draft, check_depth, check_int, make_hay, place_in_hay
 
-OPTIONS = {"n_hops": 4, "n_chains": 1, "haystack": "noise", "value_groups": 2, "depth": None}
+OPTIONS = {"n_hops": 4, "n_chains": 1, "haystack": "noise", "value_groups": 2, "depth": None, "prefix": "ruler"}
+PREFIXES = {"ruler": vocab.VT_PREFIX, "plain": vocab.VT_PREFIX_PLAIN}
 
 
 def _chain(names: list[str], value: str) -> list[Block]:
@@ -32,6 +36,8 @@ def build(ctx: BuildContext) -> Draft:
     check_int(o, "value_groups", 1, 4)
     if o["haystack"] not in ("noise", "essay"):
         raise ValueError(f"haystack must be 'noise' or 'essay' for vt, got {o['haystack']!r}")
+    if o["prefix"] not in PREFIXES:
+        raise ValueError(f"prefix must be one of {', '.join(map(repr, PREFIXES))} for vt, got {o['prefix']!r}")
     depth = ctx.depth()
     length = o["n_hops"] + 1
     names = rng.sample(vocab.KEYS, length * o["n_chains"])
@@ -53,7 +59,7 @@ def build(ctx: BuildContext) -> Draft:
         target=where[0],
         hay=hay,
         question=vocab.VT_QUESTION.format(value=values[0]),
-        answer_prefix=vocab.VT_PREFIX.format(value=values[0]),
+        answer_prefix=PREFIXES[o["prefix"]].format(count=length, value=values[0]),
         answers=target_names,
         completion=", ".join(target_names),
         depth=depth,

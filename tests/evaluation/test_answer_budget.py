@@ -16,12 +16,12 @@ def test_a_prediction_at_the_budget_counts_as_cut(tmp_path):
                      "--samples", "1", "--context-lengths", "128", "--no-diagnostics", "--output-dir", str(run)]) == 0
     before = table(str(run))
     assert set(before.task) == {"vt", "niah_single"} and (before.answers == 4).all()
-    assert dict(zip(before.task, before.budget)) == {"vt": 16, "niah_single": 8}  # the tasks' own budgets
+    assert dict(zip(before.task, before.budget)) == {"vt": 30, "niah_single": 8}  # the tasks' own budgets
 
     shard = run / "results" / "results-rank0.jsonl"
     rows = [json.loads(line) for line in shard.read_text().splitlines()]
     vt = [r for r in rows if r["task"] == "vt"]
-    for r, prediction in zip(vt, [" x" * 40, " x" * 40, "", ""]):  # two far past 16 tokens, two stopped at once
+    for r, prediction in zip(vt, [" x" * 40, " x" * 40, "", ""]):  # two far past 30 tokens, two stopped at once
         r["prediction"] = prediction
     shard.write_text("".join(json.dumps(r) + "\n" for r in rows))
     after = table(str(run)).set_index("task")
