@@ -9,7 +9,8 @@
 - :class:`WindowedDecodingPress` (decoding.py): any of them while generating too.
 
 What they share (parameters, the compress step's frame) is in base.py; token choice by score in choice.py; scorers
-beyond kvpress's in scorers.py; the attention patch for caches whose layers differ in length in uneven_layers.py.
+beyond kvpress's in scorers.py; what a press records (``press.stats``, :func:`cache_summary`) in stats.py; the
+attention patch for caches whose layers differ in length in uneven_layers.py.
 """
 
 from kvpress_phase.presses.base import WindowedPress
@@ -19,11 +20,11 @@ from kvpress_phase.presses.decoding import WindowedDecodingPress
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
 from kvpress_phase.presses.staggered_window_press import StaggeredWindowPress
-from kvpress_phase.presses.stats import LayerStats
+from kvpress_phase.presses.stats import CacheSummary, LayerStats, cache_summary
 from kvpress_phase.presses.uneven_layers import patch_attention_functions
 
 patch_attention_functions()
 
 __all__ = ["ChunkedStridePress", "PhaseAwarePress", "StaggeredWindowPress", "PerLayerWindowedPress",
-           "WindowedDecodingPress", "WindowedPress", "LayerStats", "HeadBudgetPress", "LayerBudgetPress",
-           "GlobalBudgetPress"]
+           "WindowedDecodingPress", "WindowedPress", "LayerStats", "CacheSummary", "cache_summary", "HeadBudgetPress",
+           "LayerBudgetPress", "GlobalBudgetPress"]

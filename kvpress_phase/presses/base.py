@@ -185,9 +185,11 @@ class WindowedPress(BasePress):
         layer_idx = getattr(module, "layer_idx", 0)
         seq_len = keys.shape[2]
         _check_positions(self, hidden_states, seq_len)
+        shape = dict(batch=keys.shape[0], heads=keys.shape[1],  # recorded for cache_summary's bytes
+                     entry_bytes=keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size())
         if self.compression_ratio == 0:
             self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, None, None, requested_ratio=0.0,
-                                               window_ratio=0.0)
+                                               window_ratio=0.0, **shape)
             return keys, values
 
         def score():
@@ -197,7 +199,7 @@ class WindowedPress(BasePress):
         layout = self.layout_for(module, keys, scores)                                # 2. lay out
         if layout.n_windows == 0:  # too short for one window: nothing to score or compress
             self.stats[layer_idx] = LayerStats(seq_len, seq_len, 0.0, layout, None,
-                                               requested_ratio=self.compression_ratio, window_ratio=0.0)
+                                               requested_ratio=self.compression_ratio, window_ratio=0.0, **shape)
             return keys, values
         if scores is None and self.needs_scores:
             scores = score()                                                          # 1. score
@@ -213,7 +215,7 @@ class WindowedPress(BasePress):
         self.stats[layer_idx] = LayerStats(                                           # 4. record
             seq_len, stored, 1.0 - attended / seq_len, layout, out.positions.to(torch.int32),
             ends.to(torch.int32), requested_ratio=self.compression_ratio, window_ratio=self.window_ratio,
-            masked=masked,
+            masked=masked, **shape,
         )
         return out.keys, out.values
 

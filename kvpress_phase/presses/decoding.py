@@ -297,7 +297,8 @@ def _update_stats(press, module, state, layout, tail_positions, tail_ends, lo, c
         return
     if old.positions is None:  # the prefill passed through unchanged: every entry so far is a raw token
         empty = torch.zeros(layout.batch, layout.heads, 0, dtype=torch.int32, device=tail_positions.device)
-        old = LayerStats(old.seq_len, old.compressed_length, old.achieved_ratio, old.layout, empty, empty)
+        old = LayerStats(old.seq_len, old.compressed_length, old.achieved_ratio, old.layout, empty, empty,
+                         batch=old.batch, heads=old.heads, entry_bytes=old.entry_bytes)
     t = torch.arange(tail_positions.shape[2], device=tail_positions.device)
     before = t < layout.first[..., None]  # (B, H, m): entries before each row's first block, unchanged
     idx = (c0 + t.clamp(max=layout.stride - 1)).expand_as(before)
@@ -312,7 +313,8 @@ def _update_stats(press, module, state, layout, tail_positions, tail_ends, lo, c
     if old.ends is not None:
         ends = merged(old.ends, tail_ends + lo, state.removed + 1)
     seen = old_len + state.removed
-    press.stats[layer_idx] = LayerStats(seen, new_len, 1.0 - new_len / seen, old.layout, positions, ends)
+    press.stats[layer_idx] = LayerStats(seen, new_len, 1.0 - new_len / seen, old.layout, positions, ends,
+                                        batch=old.batch, heads=old.heads, entry_bytes=old.entry_bytes)
 
 
 def _prefix(recorded: torch.Tensor, c0: int, shift: int) -> torch.Tensor:

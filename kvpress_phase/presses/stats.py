@@ -1,4 +1,10 @@
-"""What a press records about each layer it compressed (``press.stats``).
+"""What a press records about each layer it compressed (``press.stats``), and the whole cache in one figure.
+
+``press.stats[layer_idx]`` is a :class:`LayerStats`; :func:`cache_summary` adds them up over every layer into a
+:class:`CacheSummary` (entries kept, achieved ratio, bytes stored and bytes attended)::
+
+    summary = cache_summary(press)        # after a prefill: the press, or its ``stats`` dict
+    summary.achieved_ratio, summary.bytes_stored, summary.as_dict()
 
 Its own module so that both the compress step (:mod:`.base`) and the decoding step (:mod:`.decoding`) can build
 records without importing each other.
@@ -7,7 +13,7 @@ records without importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -16,11 +22,18 @@ from kvpress_phase.core.phase import WindowLayout
 
 @dataclass
 class LayerStats:
-    """What a press did to one layer's cache during the last prefill."""
+    """What a press did to one layer's cache during the last prefill.
+
+    Its scalar fields and entry counts as a plain dict: :meth:`as_dict`; the whole cache: :func:`cache_summary`.
+    """
 
     seq_len: int
+    """Tokens the layer's cache held before compression (the prefill)."""
     compressed_length: int
+    """Entries per row (one sequence's KV head) stored after compression: the cache's length for this layer."""
     achieved_ratio: float
+    """``1 - attended / seq_len`` per row: the fraction of the layer's cache removed, masked entries counted as
+    removed (they are not attended)."""
     layout: Optional[WindowLayout]
     positions: Optional[torch.Tensor]
     """``(batch, heads, compressed_length)`` int32: source position of each kept entry (first position of its
@@ -34,9 +47,16 @@ class LayerStats:
     """The per-window ratio achieved, ``1 - k / stride`` (see :func:`kvpress_phase.core.phase.kept_per_window`);
     ``achieved_ratio`` is over the whole cache, protected tokens included."""
     masked: Optional[tuple] = None
-    """``(head_indices, seq_indices)`` of the stored entries that only pad a head with a smaller budget than the
-    layer's longest (``PhaseAwarePress(allocate="heads")``), masked while decoding; ``None`` when there are none.
-    ``compressed_length`` counts them (they are stored); ``achieved_ratio`` does not (they are not attended)."""
+    """``(head_indices, seq_indices)`` of the stored entries that only pad a KV head with a smaller budget than the
+    layer's longest (the per-head budgets of ``HeadBudgetPress`` and ``GlobalBudgetPress``), masked while decoding;
+    ``None`` when there are none. ``compressed_length`` counts them (they are stored); ``achieved_ratio`` does not
+    (they are not attended)."""
+    batch: Optional[int] = None
+    """Sequences in the batch compressed (``None``: not recorded)."""
+    heads: Optional[int] = None
+    """KV heads of the layer (``None``: not recorded)."""
+    entry_bytes: Optional[int] = None
+    """Bytes one entry of one KV head takes in the cache, its key and its value (``None``: not recorded)."""
 
     @property
     def phases(self) -> Optional[torch.Tensor]:
@@ -44,3 +64,121 @@ class LayerStats:
         if self.layout is None or self.positions is None:
             return None
         return self.layout.phases(self.positions.long())
+
+    @property
+    def rows(self) -> Optional[int]:
+        """``batch * heads``: the rows (one sequence's KV head) of the layer's cache (``None``: not recorded)."""
+        if self.batch is None or self.heads is None:
+            return None
+        return self.batch * self.heads
+
+    @property
+    def masked_entries(self) -> int:
+        """Stored entries masked while decoding, over every row of the layer (padding of per-head budgets)."""
+        return 0 if self.masked is None else int(len(self.masked[0]))
+
+    @property
+    def entries_stored(self) -> Optional[int]:
+        """Entries the layer's cache stores, over every row, masked padding included."""
+        return None if self.rows is None else self.rows * self.compressed_length
+
+    @property
+    def entries_attended(self) -> Optional[int]:
+        """Entries decoding attends to, over every row: those stored but the masked padding."""
+        stored = self.entries_stored
+        return None if stored is None else stored - self.masked_entries
+
+    def as_dict(self) -> dict:
+        """The record as a plain dict: its numbers and entry counts (``None`` where not recorded), the kept
+        entries' positions as a nested list (``None`` when the layer was not compressed); no tensors."""
+        return {
+            "seq_len": self.seq_len, "compressed_length": self.compressed_length,
+            "achieved_ratio": self.achieved_ratio, "requested_ratio": self.requested_ratio,
+            "window_ratio": self.window_ratio, "batch": self.batch, "heads": self.heads,
+            "entry_bytes": self.entry_bytes, "entries_stored": self.entries_stored,
+            "entries_attended": self.entries_attended, "masked_entries": self.masked_entries,
+            "positions": None if self.positions is None else self.positions.tolist(),
+        }
+
+    def __repr__(self) -> str:
+        def shown(value) -> str:
+            if isinstance(value, torch.Tensor):
+                return f"<{str(value.dtype).replace('torch.', '')} tensor {tuple(value.shape)}>"
+            return f"{value:.4g}" if isinstance(value, float) else repr(value)
+
+        items = {"seq_len": self.seq_len, "compressed_length": self.compressed_length,
+                 "achieved_ratio": self.achieved_ratio, "requested_ratio": self.requested_ratio,
+                 "window_ratio": self.window_ratio, "batch": self.batch, "heads": self.heads,
+                 "entry_bytes": self.entry_bytes, "masked_entries": self.masked_entries,
+                 "positions": self.positions}
+        return f"LayerStats({', '.join(f'{k}={shown(v)}' for k, v in items.items() if v is not None)})"
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """The whole cache after a press's last prefill, every layer and row added up (:func:`cache_summary`)."""
+
+    layers: int
+    """Layers the press recorded."""
+    entries_before: int
+    """Entries the cache held before compression (``seq_len`` of every row of every layer)."""
+    entries_stored: int
+    """Entries stored, masked padding included."""
+    entries_attended: int
+    """Entries decoding attends to (stored, less the masked padding)."""
+    bytes_stored: int
+    """Bytes of the keys and values stored (masked padding included): what the cache's tensors hold."""
+    bytes_attended: int
+    """Bytes of the keys and values decoding attends to (masked padding not counted)."""
+    bytes_before: int
+    """Bytes the uncompressed cache would hold."""
+
+    @property
+    def entries_masked(self) -> int:
+        """Stored entries masked while decoding."""
+        return self.entries_stored - self.entries_attended
+
+    @property
+    def achieved_ratio(self) -> float:
+        """Fraction of the cache's entries removed, masked padding counted as removed: ``1 - attended / before``."""
+        return 1.0 - self.entries_attended / self.entries_before if self.entries_before else 0.0
+
+    @property
+    def stored_ratio(self) -> float:
+        """Fraction of the cache's bytes freed: ``1 - stored / before`` (lower than :attr:`achieved_ratio` when
+        entries are masked rather than removed)."""
+        return 1.0 - self.bytes_stored / self.bytes_before if self.bytes_before else 0.0
+
+    def as_dict(self) -> dict:
+        """Every field and figure as a plain dict."""
+        return {"layers": self.layers, "entries_before": self.entries_before, "entries_stored": self.entries_stored,
+                "entries_attended": self.entries_attended, "entries_masked": self.entries_masked,
+                "achieved_ratio": self.achieved_ratio, "bytes_before": self.bytes_before,
+                "bytes_stored": self.bytes_stored, "bytes_attended": self.bytes_attended,
+                "stored_ratio": self.stored_ratio}
+
+
+def cache_summary(press) -> CacheSummary:
+    """The :class:`CacheSummary` of the last prefill that ``press`` compressed: a press of this package (any whose
+    ``stats`` holds :class:`LayerStats`) or its ``stats`` dict. ValueError when nothing was recorded yet, or a record
+    lacks its shape (one built by hand without ``batch``, ``heads`` and ``entry_bytes``).
+
+    It describes the cache as the prefill left it: under ``WindowedDecodingPress`` the records cover the compressed
+    part, not the raw tokens appended since."""
+    stats = press if isinstance(press, Mapping) else getattr(press, "stats", None)
+    if not isinstance(stats, Mapping):
+        raise ValueError(f"cache_summary takes a press with a stats dict, or the dict, got {type(press).__name__}")
+    if not stats:
+        raise ValueError("the press has recorded no layer yet: run a prefill with it first")
+    totals = dict(before=0, stored=0, attended=0, bytes_stored=0, bytes_attended=0, bytes_before=0)
+    for layer, s in sorted(stats.items()):
+        if s.rows is None or s.entry_bytes is None:
+            raise ValueError(f"press.stats[{layer}] does not record its shape (batch, heads, entry_bytes)")
+        totals["before"] += s.rows * s.seq_len
+        totals["stored"] += s.entries_stored
+        totals["attended"] += s.entries_attended
+        totals["bytes_stored"] += s.entries_stored * s.entry_bytes
+        totals["bytes_attended"] += s.entries_attended * s.entry_bytes
+        totals["bytes_before"] += s.rows * s.seq_len * s.entry_bytes
+    return CacheSummary(len(stats), totals["before"], totals["stored"], totals["attended"], totals["bytes_stored"],
+                        totals["bytes_attended"], totals["bytes_before"])

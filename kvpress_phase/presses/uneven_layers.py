@@ -13,10 +13,10 @@ are all visible (a padded batch's mask is never cut; it raises ``ValueError`` in
 and functions that get no tensor mask (flex attention's block masks), pass through untouched. Eager attention is
 not a registered function in transformers and is not patched: use ``sdpa`` (the default) or flash attention.
 
-Entries masked per KV head (kvpress's ``module.masked_key_indices``, set by ``PhaseAwarePress(allocate="heads")``
-and by kvpress's own masking presses) are hidden from scaled-dot-product attention with the attention mask, exactly;
-kvpress's patch replaces their keys by fake keys found by a search that fails when the queries do not lie in one
-half-space (random test models). Flash attention, which takes no mask, keeps kvpress's fake keys.
+Entries masked per KV head (kvpress's ``module.masked_key_indices``, set by the per-head budgets of
+``HeadBudgetPress`` and ``GlobalBudgetPress`` and by kvpress's own masking presses) are hidden from
+scaled-dot-product attention with the attention mask, exactly; kvpress's patch replaces their keys by fake keys
+found by a search that fails when the queries do not lie in one half-space (random test models). Flash attention, which takes no mask, keeps kvpress's fake keys.
 """
 
 from __future__ import annotations
