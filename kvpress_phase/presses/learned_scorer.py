@@ -76,26 +76,39 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 """The folder of the scorers shipped in the package, one sub-folder per model (``kvpress_phase/scorers/``)."""
 
 
-def shipped_scorer_path(model) -> str:
-    """The folder of the shipped scorer trained for a model shaped like ``model``; ValueError naming the model's
-    shape, the shipped scorers and ``train-scorer`` when there is none."""
-    want = model_shape(model)
-    found = []
+def shipped_scorers() -> dict:
+    """``{folder: (model name, shape)}`` of the scorers shipped in :data:`SHIPPED`: the ``--model`` name each was
+    trained on (its config's ``source_model``) and the shape it fits (:data:`SOURCE_FIELDS`)."""
+    from kvpress.presses.kvzap_press import KVzapConfig
+
+    found = {}
     for name in sorted(os.listdir(SHIPPED)) if os.path.isdir(SHIPPED) else []:
         path = os.path.join(SHIPPED, name)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            continue
-        from kvpress.presses.kvzap_press import KVzapConfig
+        if os.path.isfile(os.path.join(path, "config.json")):
+            config = KVzapConfig.from_pretrained(path)
+            found[name] = (getattr(config, "source_model", None) or name,
+                           {f: int(getattr(config, f"source_{f}")) for f in SOURCE_FIELDS})
+    return found
 
-        config = KVzapConfig.from_pretrained(path)
-        shape = {f: int(getattr(config, f"source_{f}")) for f in SOURCE_FIELDS}
+
+def shipped_scorer_path(model) -> str:
+    """The folder of the shipped scorer trained for a model shaped like ``model``; ValueError naming the model's
+    shape, the models the scorers ship for, and ``train-scorer`` when there is none."""
+    want = model_shape(model)
+    shipped = shipped_scorers()
+    for folder, (_, shape) in shipped.items():
         if shape == want:
-            return path
-        found.append(_describe(name, shape))
+            return os.path.join(SHIPPED, folder)
     target = getattr(model.config, "name_or_path", "") or type(model).__name__
-    raise ValueError(f"no shipped KVzap scorer fits {_describe(repr(target), want)} (shipped: "
-                     f"{'; '.join(found) or 'none'}); train one with `kvpress-phase train-scorer --model NAME "
-                     "--output-dir DIR` and pass scorer_path=DIR/linear")
+    names = [name for name, _ in shipped.values()]
+    models = " and ".join(_describe(name, shape) for name, shape in shipped.values()) or "no model"
+    use = (f"use one of those models (--model {' or --model '.join(names)}; in Python load_builtin_model(name=...)), "
+           "or " if names else "")
+    raise ValueError(f"no shipped KVzap scorer fits {_describe(repr(target), want)}; scorers ship for {models}: "
+                     f"{use}train a scorer for this model with `kvpress-phase train-scorer --model NAME "
+                     "--output-dir DIR` and use it from Python, LocalKVzapPress(scorer_path='DIR/linear') (also as "
+                     "scorer= of PhaseAwarePress); an evaluation press spec (kvzap, scorer=kvzap) loads only a "
+                     "shipped scorer")
 
 
 @dataclass
@@ -136,4 +149,5 @@ def scorer_press(path: str, compression_ratio: float = 0.0, threshold: Optional[
     return DMSPress(press, threshold=threshold, sliding_window_size=sliding_window_size)
 
 
-__all__ = ["LocalKVzapPress", "check_scorer", "load_scorer", "model_shape", "scorer_press", "shipped_scorer_path"]
+__all__ = ["LocalKVzapPress", "check_scorer", "load_scorer", "model_shape", "scorer_press", "shipped_scorer_path",
+           "shipped_scorers"]

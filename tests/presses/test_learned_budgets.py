@@ -54,6 +54,21 @@ def test_a_model_without_a_shipped_scorer_is_refused_by_name():
         PhaseAwarePress(0.5, scorer="kvzap").post_init_from_model(model)
 
 
+def test_the_refusal_names_what_a_command_line_user_can_do():
+    """The models a scorer ships for, by their --model names, and train-scorer with the Python class that loads its
+    folder; never a setting no press spec has (a spec loads only a shipped scorer)."""
+    from kvpress_phase.evaluation.presses import press_settings
+
+    with pytest.raises(ValueError) as refused:
+        shipped_scorer_path(tiny_model("llama"))
+    message = str(refused.value)
+    assert "--model smollm2" in message and "--model qwen2.5-coder-0.5b" in message
+    assert "kvpress-phase train-scorer --model NAME --output-dir DIR" in message
+    assert "LocalKVzapPress(scorer_path='DIR/linear')" in message and "loads only a shipped scorer" in message
+    assert "pass scorer_path" not in message
+    assert all("scorer_path" not in press_settings(name) for name in ("phase_aware", "chunked_stride", "kvzap"))
+
+
 def _scorer_for(model, path, *, layers=None, favour=None):
     """A linear KVzap scorer written to ``path`` for ``model``'s shape (``layers`` to get it wrong); with ``favour``,
     every score of that layer is 10 higher (a constant bias) and the others 10 lower."""
