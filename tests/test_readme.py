@@ -1,7 +1,10 @@
-"""README.md's "Use" snippet runs as written, on the built-in model."""
+"""README.md's "Use" snippets run as written and print what their comments say: the first on the built-in model,
+the second (the recommended press, learned KVzip+ scores) on a model a scorer ships for."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 
@@ -10,11 +13,41 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _use_snippet() -> str:
+def _use_snippets() -> list[str]:
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
         text = fh.read()
     section = text.split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def _use_snippet() -> str:
+    return _use_snippets()[0]
+
+
+def expected_prints(snippet: str) -> list[str]:
+    """What the snippet's ``print`` lines say they print: each one's comment, up to two spaces and a bracket (the
+    explanation that may follow)."""
+    out = []
+    for line in snippet.splitlines():
+        if line.startswith("print("):
+            assert "  # " in line, f"README.md: a print line without a comment saying what it prints: {line!r}"
+            out.append(re.split(r"\s{2,}\(", line.split("  # ", 1)[1], maxsplit=1)[0].strip())
+    return out
+
+
+def _run(snippets: list[str]) -> tuple[dict, list[str]]:
+    """The namespace after running ``snippets`` in one namespace, and the lines they printed."""
+    namespace: dict = {}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for i, snippet in enumerate(snippets):
+            exec(compile(snippet, f"README.md (Use, snippet {i + 1})", "exec"), namespace)  # noqa: S102
+    return namespace, [line.strip() for line in printed.getvalue().splitlines()]
+
+
+def test_expected_prints_reads_the_comments():
+    snippet = 'x = 1\nprint(x)  # 1  (one)\nprint("a  b")  # a  b\ny = 2  # not a print\n'
+    assert expected_prints(snippet) == ["1", "a  b"]
 
 
 def test_the_use_snippet_loads_its_model_and_data_first():
@@ -22,16 +55,26 @@ def test_the_use_snippet_loads_its_model_and_data_first():
     first = snippet.index("pipeline(")
     assert snippet.index("model, tokenizer = load_builtin_model()") < first
     assert 'load_builtin_model(name="smollm2")' in snippet[:first]  # the real model, one line away
+    assert 'name="qwen2.5-coder-0.5b"' in snippet[:first]
     assert re.search(r"^context, question = ", snippet[:first], re.M)
 
 
+def test_the_use_snippet_says_what_the_built_in_model_is_for():
+    comments = " ".join(line.split("#", 1)[1] for line in _use_snippet().splitlines() if "#" in line)
+    comments = " ".join(comments.split())
+    assert "1.1M-parameter toy" in comments and "not for judging presses" in comments
+    assert len(expected_prints(_use_snippet())) >= 2  # the answers it prints, each with what it should print
+
+
 @pytest.mark.slow
-def test_the_use_snippet_runs_on_the_built_in_model():
+def test_the_use_snippet_runs_on_the_built_in_model_and_prints_what_it_says():
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
     from kvpress_phase.core.phase import compressed_length
 
-    namespace: dict = {}
-    exec(compile(_use_snippet(), "README.md (Use)", "exec"), namespace)  # noqa: S102
+    namespace, printed = _run([_use_snippet()])
+    assert printed == expected_prints(_use_snippet())
+    example = namespace["example"]
+    assert printed[0] == f"{example['answer'][0]} | {example['answer'][0]}"  # the answer is the reference
     assert isinstance(namespace["answer"], str)
     press = namespace["press"]
     n = namespace["tokenizer"](namespace["context"], return_tensors="pt").input_ids.shape[1]
@@ -42,3 +85,53 @@ def test_the_use_snippet_runs_on_the_built_in_model():
     assert namespace["pooled"].mode == "pool" and namespace["zipped"].compression_ratio == 0.5
     # the defaults compress nothing (README: a ratio must be given)
     assert ChunkedStridePress().compression_ratio == 0.0 and PhaseAwarePress().compression_ratio == 0.0
+
+
+def _code(snippet: str) -> str:
+    """The snippet without its comments."""
+    return "\n".join(line.split("#", 1)[0] for line in snippet.splitlines())
+
+
+def _loaded_models(snippet: str) -> list[str]:
+    """The model names the snippet's code (not its comments) loads, in order."""
+    return re.findall(r'load_builtin_model\(name="([^"]+)"\)', _code(snippet))
+
+
+def test_the_recommended_press_snippet_loads_a_model_a_scorer_ships_for():
+    from kvpress_phase.presses.learned_scorer import shipped_scorers
+
+    snippet = _use_snippets()[1]
+    loaded = _loaded_models(snippet)
+    code = _code(snippet)
+    assert loaded and code.index("load_builtin_model(") < code.index('scorer="kvzap"')
+    shipped = {model for model, _ in shipped_scorers().values()}
+    assert loaded[0] in shipped, f"the snippet loads {loaded[0]!r}; scorers ship for {sorted(shipped)}"
+    for model in shipped:  # the comments name every model a scorer ships for
+        assert model in snippet
+
+
+def test_the_built_in_model_refuses_kvzap_naming_the_models_the_snippet_names():
+    """The snippet says the built-in model refuses ``scorer="kvzap"`` and names the models that have a scorer."""
+    from kvpress_phase import PhaseAwarePress, load_builtin_model
+    from kvpress_phase.presses.learned_scorer import shipped_scorers
+
+    model, _ = load_builtin_model()
+    with pytest.raises(ValueError, match="no shipped KVzap scorer fits") as refused:
+        PhaseAwarePress(0.5, scorer="kvzap").post_init_from_model(model)
+    for name, _ in shipped_scorers().values():
+        assert f"--model {name}" in str(refused.value)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_the_recommended_press_snippet_runs_on_its_model_and_prints_what_it_says():
+    from kvpress_phase import LayerBudgetPress, cache_summary
+
+    snippets = _use_snippets()[:2]
+    namespace, printed = _run(snippets)
+    assert printed == expected_prints(snippets[0]) + expected_prints(snippets[1])
+    press = namespace["press"]
+    assert isinstance(press, LayerBudgetPress)
+    assert namespace["example"]["answer"][0] in namespace["answer"]
+    summary = cache_summary(press)  # one budget over the model: every layer recorded, about half the cache kept
+    assert summary.layers == namespace["model"].config.num_hidden_layers and 0.45 < summary.achieved_ratio < 0.5
