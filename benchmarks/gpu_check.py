@@ -15,7 +15,12 @@ Steps, each recorded with its status, duration and figures (a failed step does n
    a bfloat16 Llama built from a config (Llama-3.1-8B's attention shapes, 2 layers, random weights) at 8k tokens,
    with sdpa and, where the ``flash_attn`` package is installed, flash-attention 2; each with the Triton and the
    PyTorch backend: every layer's cache length must equal the formula of docs/guide.md ("Exact cache length"), and the two backends' caches must
-   agree within bfloat16 tolerance. Small mode: a tiny float32 model at 128 tokens, sdpa.
+   agree within bfloat16 tolerance. Timing: after one call that takes the model's and the pipeline's first uses
+   (``first_call``), every press and backend is called ``1 + PIPELINE_REPEATS`` times, each the same call (a fresh
+   press and ``DynamicCache``, 8 new tokens), the two backends alternating: the first call of each is reported
+   apart as ``cold`` (a compile or another first use shows there), the others by their median; with every call,
+   the compress step alone (CUDA events around each layer's ``press.compress``) and the seconds the garbage
+   collector ran during it. Small mode: a tiny float32 model at 128 tokens, sdpa, 2 repeats.
 4. ``eval``: the default evaluation (``kvpress-phase eval`` with no arguments) with ``--device cuda``, with its
    answers per second. Small mode: a one-sample, three-press evaluation on the CPU.
 
@@ -137,9 +142,67 @@ def _config_model(small: bool, attn: str, vocab: int, device: str):
     return model
 
 
-def step_pipeline(ctx):
+PIPELINE_REPEATS = 5
+"""Timed pipeline calls per press and backend after the cold one (on a GPU; 2 in small mode); the median is reported."""
+
+
+class _GcClock:
+    """Seconds Python's cyclic garbage collector has run while this is in ``gc.callbacks``."""
+
+    def __init__(self):
+        self.seconds, self._t0 = 0.0, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+
+def _pipeline_call(pipe, row, press, device, gc_clock):
+    """One pipeline call as the step times it: a fresh press and ``DynamicCache``, 8 new tokens. Returns the call's
+    wall time (CUDA synchronised before and after), the compress step's time (every layer's ``press.compress``;
+    CUDA events on a GPU, so the time on the stream, a compile or first use inside it included), the seconds the
+    garbage collector ran during the call, the answer and the cache."""
     import torch
-    from transformers import DynamicCache, pipeline
+    from transformers import DynamicCache
+
+    spans, inner = [], press.compress
+
+    def compress(*args, **kwargs):  # kvpress's forward hook calls press.compress once per layer in the prefill
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = inner(*args, **kwargs)
+            end.record()
+            spans.append((start, end))
+            return out
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        spans.append(time.perf_counter() - t0)
+        return out
+
+    press.compress = compress
+    cache = DynamicCache()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    gc0, t0 = gc_clock.seconds, time.perf_counter()
+    answer = pipe(row["context"], question=row["question"], press=press, max_new_tokens=8, cache=cache)["answer"]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    spent = sum(s.elapsed_time(e) / 1e3 for s, e in spans) if device == "cuda" else sum(spans)
+    timing = {"s": round(seconds, 4), "compress_s": round(spent, 5), "gc_s": round(gc_clock.seconds - gc0, 4)}
+    return timing, answer, cache
+
+
+def step_pipeline(ctx):
+    import gc
+    import statistics
+
+    import torch
+    from transformers import pipeline
     from transformers.utils import is_flash_attn_2_available
 
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
@@ -149,6 +212,7 @@ def step_pipeline(ctx):
 
     small, device = ctx["small"], ctx["device"]
     n_tokens = 128 if small else 8192
+    repeats = 2 if small else PIPELINE_REPEATS
     tok = build_tokenizer()
     row = generate("niah_single", tok, n_samples=1, context_length=n_tokens, stride=8, phases=[3], seed=0)[0]
     impls = ["sdpa"]
@@ -161,46 +225,60 @@ def step_pipeline(ctx):
     presses = {"ChunkedStridePress": lambda b: ChunkedStridePress(0.5, stride=8, backend=b),
                "PhaseAwarePress": lambda b: PhaseAwarePress(0.5, stride=8, backend=b)}
     tol = dict(rtol=1e-5, atol=1e-4) if small else dict(rtol=1e-2, atol=1e-2)  # as tests/kernels
-    results = []
-    for attn in impls:
-        model = _config_model(small, attn, len(tok), device)
-        pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device=model.device)
-        for name, make in presses.items():
-            caches, answers, times = {}, {}, {}
-            for backend in ("triton", "torch"):
-                if not small:  # compile and warm up
-                    pipe(row["context"], question=row["question"], press=make(backend), max_new_tokens=2)
-                    torch.cuda.synchronize()
-                cache = DynamicCache()
-                t0 = time.perf_counter()
-                answers[backend] = pipe(row["context"], question=row["question"], press=make(backend),
-                                        max_new_tokens=8, cache=cache)["answer"]
-                if not small:
-                    torch.cuda.synchronize()
-                times[backend] = time.perf_counter() - t0
-                caches[backend] = cache
-            n = len(pipe.preprocess(row["context"], [row["question"]], "", 1 << 30)["context_ids"][0])
-            press = make("torch")
-            span = n - press.n_sink - press.n_local
-            n_windows = max(0, (span - press.stride + 1) // press.stride)
-            expected = n - n_windows * (press.stride - kept_per_window(press.stride, press.compression_ratio))
-            lengths = sorted({caches[b].get_seq_length(i) for b in caches for i in range(len(caches[b]))})
-            if lengths != [expected]:
-                raise AssertionError(f"{attn} {name}: cache lengths {lengths}, expected {expected} for {n} tokens")
-            pairs = [(getattr(caches["triton"].layers[i], t).float(), getattr(caches["torch"].layers[i], t).float())
-                     for i in range(len(caches["torch"])) for t in ("keys", "values")]
-            diff = max((a - b).abs().max().item() for a, b in pairs)
-            if not all(torch.allclose(a, b, **tol) for a, b in pairs):
-                raise AssertionError(f"{attn} {name}: Triton and reference caches differ (max abs {diff:.2e}) "
-                                     f"beyond {tol}")
-            results.append({"attention": attn, "press": name, "context_tokens": n, "cache_length": expected,
-                            "max_abs_diff_triton_vs_torch": f"{diff:.1e}",
-                            "same_answer": answers["triton"] == answers["torch"],
-                            "seconds_triton": round(times["triton"], 3), "seconds_torch": round(times["torch"], 3)})
-        del model, pipe
-        if not small:
-            torch.cuda.empty_cache()
-    return {"dtype": "float32" if small else "bfloat16", "runs": results, "skipped": skipped}
+    results, first_calls = [], {}
+    gc_clock = _GcClock()
+    gc.callbacks.append(gc_clock)
+    try:
+        for attn in impls:
+            model = _config_model(small, attn, len(tok), device)
+            pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device=model.device)
+            # the model's, the pipeline's and the reference path's first uses, kept out of every figure below
+            first_calls[attn], _, _ = _pipeline_call(pipe, row, presses["ChunkedStridePress"]("torch"), device,
+                                                     gc_clock)
+            t0 = time.perf_counter()
+            gc.collect()  # a full collection now, not in a timed call; its time is what one costs in this process
+            first_calls[attn]["gc_collect_s"] = round(time.perf_counter() - t0, 4)
+            for p, (name, make) in enumerate(presses.items()):
+                caches, answers, calls = {}, {}, {"triton": [], "torch": []}
+                order = ("triton", "torch") if p % 2 == 0 else ("torch", "triton")
+                for r in range(1 + repeats):  # round 0: each backend's cold call; then alternating order
+                    for backend in (order if r % 2 == 0 else order[::-1]):
+                        timing, answers[backend], caches[backend] = _pipeline_call(pipe, row, make(backend), device,
+                                                                                   gc_clock)
+                        calls[backend].append(timing)
+                n = len(pipe.preprocess(row["context"], [row["question"]], "", 1 << 30)["context_ids"][0])
+                press = make("torch")
+                span = n - press.n_sink - press.n_local
+                n_windows = max(0, (span - press.stride + 1) // press.stride)
+                expected = n - n_windows * (press.stride - kept_per_window(press.stride, press.compression_ratio))
+                lengths = sorted({caches[b].get_seq_length(i) for b in caches for i in range(len(caches[b]))})
+                if lengths != [expected]:
+                    raise AssertionError(f"{attn} {name}: cache lengths {lengths}, expected {expected} for {n} tokens")
+                pairs = [(getattr(caches["triton"].layers[i], t).float(), getattr(caches["torch"].layers[i], t).float())
+                         for i in range(len(caches["torch"])) for t in ("keys", "values")]
+                diff = max((a - b).abs().max().item() for a, b in pairs)
+                if not all(torch.allclose(a, b, **tol) for a, b in pairs):
+                    raise AssertionError(f"{attn} {name}: Triton and reference caches differ (max abs {diff:.2e}) "
+                                         f"beyond {tol}")
+                run = {"attention": attn, "press": name, "context_tokens": n, "cache_length": expected,
+                       "max_abs_diff_triton_vs_torch": f"{diff:.1e}",
+                       "same_answer": answers["triton"] == answers["torch"], "repeats": repeats,
+                       "cold_first": order[0]}
+                for b in ("triton", "torch"):
+                    warm = calls[b][1:]
+                    run[f"seconds_{b}"] = round(statistics.median(c["s"] for c in warm), 4)
+                    run[f"compress_seconds_{b}"] = round(statistics.median(c["compress_s"] for c in warm), 5)
+                    run[f"cold_seconds_{b}"] = calls[b][0]["s"]
+                    run[f"cold_compress_seconds_{b}"] = calls[b][0]["compress_s"]
+                    run[f"calls_{b}"] = calls[b]
+                results.append(run)
+            del model, pipe
+            if not small:
+                torch.cuda.empty_cache()
+    finally:
+        gc.callbacks.remove(gc_clock)
+    return {"dtype": "float32" if small else "bfloat16", "runs": results, "skipped": skipped,
+            "first_call": first_calls}
 
 
 def step_eval(ctx):
@@ -258,12 +336,26 @@ def _markdown(summary) -> str:
                 lines.append(f"| {r['n']} | {r['op']} | {r['backend']} | {r['us']} | {r['GB/s']} | "
                              f"{r['of_copy']:.0%} | {sp} | {r['max_abs_diff'] or ''} |")
         elif name == "pipeline" and result:
-            lines += ["| attention | press | tokens | cache length | max abs diff Triton vs torch | same answer | "
-                      "s (Triton) | s (torch) |", "|---|---|---:|---:|---:|---|---:|---:|"]
+            lines += ["One pipeline call (8 new tokens): seconds, median of the repeats / the cold (first) call of "
+                      "that press and backend; compress: every layer's compress step in ms, likewise.", "",
+                      "| attention | press | tokens | cache length | max abs diff Triton vs torch | same answer | "
+                      "s Triton | s torch | compress ms Triton | compress ms torch | repeats | cold first |",
+                      "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
             for r in result["runs"]:
+                cells = [f"{r[f'seconds_{b}']:.4f} / {r[f'cold_seconds_{b}']:.4f}" for b in ("triton", "torch")]
+                cells += [f"{r[f'compress_seconds_{b}'] * 1e3:.2f} / {r[f'cold_compress_seconds_{b}'] * 1e3:.2f}"
+                          for b in ("triton", "torch")]
                 lines.append(f"| {r['attention']} | {r['press']} | {r['context_tokens']} | {r['cache_length']} | "
-                             f"{r['max_abs_diff_triton_vs_torch']} | {r['same_answer']} | {r['seconds_triton']} | "
-                             f"{r['seconds_torch']} |")
+                             f"{r['max_abs_diff_triton_vs_torch']} | {r['same_answer']} | {' | '.join(cells)} | "
+                             f"{r['repeats']} | {r['cold_first']} |")
+            for attn, c in result.get("first_call", {}).items():
+                lines.append(f"\nFirst call of the step ({attn}; ChunkedStridePress, torch backend; not in the table): "
+                             f"{c['s']:.4f} s, compress {c['compress_s'] * 1e3:.2f} ms, garbage collector "
+                             f"{c['gc_s']:.4f} s; then one full garbage collection: {c['gc_collect_s']:.4f} s.")
+            gc_seconds = {b: sum(c["gc_s"] for r in result["runs"] for c in r[f"calls_{b}"])
+                          for b in ("triton", "torch")}
+            lines.append(f"\nGarbage collector during the timed calls: {gc_seconds['triton']:.4f} s (Triton), "
+                         f"{gc_seconds['torch']:.4f} s (torch).")
             for what, why in result.get("skipped", {}).items():
                 lines.append(f"\nSkipped {what}: {why}.")
         else:

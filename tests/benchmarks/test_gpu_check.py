@@ -33,9 +33,19 @@ def test_small_mode_runs_every_step(tmp_path):
     assert all(r["speedup_vs_torch"] > 0 for r in kernels if r["backend"] == "triton")
     runs = summary["steps"]["pipeline"]["result"]["runs"]
     assert {r["press"] for r in runs} == {"ChunkedStridePress", "PhaseAwarePress"}
+    pipeline = summary["steps"]["pipeline"]["result"]
+    assert set(pipeline["first_call"]) == {"sdpa"} and pipeline["first_call"]["sdpa"]["gc_collect_s"] >= 0
+    for r in runs:  # every case: a cold call, then the repeats (median), each with its compress step timed
+        for b in ("triton", "torch"):
+            assert len(r[f"calls_{b}"]) == 1 + r["repeats"] and r["repeats"] >= 2
+            assert r[f"seconds_{b}"] > 0 and r[f"cold_seconds_{b}"] == r[f"calls_{b}"][0]["s"]
+            assert 0 < r[f"compress_seconds_{b}"] < r[f"seconds_{b}"] and r[f"cold_compress_seconds_{b}"] > 0
+            assert all(c["gc_s"] >= 0 for c in r[f"calls_{b}"])
+    assert [r["cold_first"] for r in runs] == ["triton", "torch"]  # the backend that goes first alternates
     assert summary["steps"]["eval"]["result"]["answers"] == 4 * 3  # phases x presses
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "| parity | ok |" in markdown and "| eval | ok |" in markdown
+    assert "compress ms Triton" in markdown and "First call of the step" in markdown
 
 
 def test_a_failing_step_fails_the_check(tmp_path, monkeypatch):
