@@ -5,8 +5,9 @@ Everything is written into the run's output directory:
 - ``summary.json``: one record per task x press x compression ratio x stride x protocol (see
   :mod:`.metrics`), with the run's config;
 - ``results.csv`` and ``results.parquet``: the merged per-example results;
-- ``phase_<task>_s<stride>_r<ratio>_<protocol>.png``: accuracy versus phase for every press, with 95% CI bands
-  and the uncompressed control;
+- ``phase_<task>_s<stride>_r<ratio>_<protocol>.png``: accuracy versus phase with 95% CIs for the uncompressed
+  control, our presses and the few other presses of highest mean accuracy (:func:`drawn_presses`; every press is in
+  the tables);
 - ``report.md``: the tables and the plots, for people.
 """
 
@@ -116,8 +117,31 @@ def console_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_group(records: list[dict], path: str, title: str) -> None:
-    """Accuracy versus phase, one line per press with its 95% CI band; the boundary phase is shaded.
+BASELINES_DRAWN = 3
+"""kvpress presses a plot draws beside ours and the control: those of highest mean accuracy (:func:`drawn_presses`)."""
+
+
+def drawn_presses(records: list[dict], baselines: int = BASELINES_DRAWN) -> tuple[list[dict], list[dict]]:
+    """``(drawn, left out)`` of one plot's records, each in the order given: the control ``no_press``, every press
+    of ours (a registry entry whose spec takes its fields, :mod:`.presses`) and the ``baselines`` other presses of
+    highest mean accuracy (the earlier on a tie) are drawn; the others are left to the report's table, so that a
+    sweep of every baseline does not draw a dozen lines on top of each other."""
+    from .presses import REGISTRY
+
+    def ours(r: dict) -> bool:
+        entry = REGISTRY.get(str(r["press"]).split(":")[0])
+        return r["press"] == "no_press" or (entry is not None and entry.settings == "fields")
+
+    others = [i for i, r in enumerate(records) if not ours(r)]
+    best = sorted(others, key=lambda i: -(records[i]["mean"] if records[i].get("mean") is not None else -1.0))
+    keep = set(best[:baselines])
+    drawn = [r for i, r in enumerate(records) if ours(r) or i in keep]
+    return drawn, [r for i, r in enumerate(records) if not ours(r) and i not in keep]
+
+
+def plot_group(records: list[dict], path: str, title: str) -> list[str]:
+    """Accuracy versus phase, one line per press drawn (:func:`drawn_presses`) with its 95% CIs; the boundary
+    phase is shaded, and the legend names the presses left to the table. The presses drawn, in order.
 
     When the results carry the attention diagnostic, a second panel shows the needle's attention mass relative
     to the full cache, per phase.
@@ -127,6 +151,7 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records, left_out = drawn_presses(records)
     with_attention = any(r.get("attention_per_phase") for r in records if r["press"] != "no_press")
     fig, axes = plt.subplots(2 if with_attention else 1, 1, figsize=(7, 6.5 if with_attention else 4.2),
                              sharex=True, squeeze=False)
@@ -134,13 +159,17 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
     stride = records[0]["stride"]
     phases = list(range(stride))
     colors = {}
-    # one colour per press: matplotlib's default cycle repeats after 10 lines, a sweep of every baseline has 14
+    # one colour per press: matplotlib's default cycle repeats after 10 lines, a sweep of many specs of ours has more
     n_lines = sum(r["press"] != "no_press" for r in records)
     palette = plt.get_cmap("tab10" if n_lines <= 10 else "tab20")
     markers = "osD^v<>ph*"
     drawn = 0
-    for r in records:
-        acc = [float("nan") if x is None else x for x in r["per_phase"]]
+    # each press's points side by side within its phase (a phase is a category), so that presses of equal accuracy
+    # stay apart; the 95% intervals are error bars (bands of a dozen presses at 1.00 would cover each other)
+    dodge = 0.6 / max(len(records) - 1, 1)
+    for i, r in enumerate(records):
+        x = [p + (i - (len(records) - 1) / 2) * dodge for p in phases]
+        acc = [float("nan") if v is None else v for v in r["per_phase"]]
         lo = [float("nan") if a is None else a for a, _ in r["per_phase_ci"]]
         hi = [float("nan") if b is None else b for _, b in r["per_phase_ci"]]
         if r["press"] == "no_press":
@@ -152,9 +181,11 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
         if r["press"] != "no_press":
             label += f", p {_fmt_p(r['p_value'])}, gap {_fmt(r['gap_xfit'])} [{_fmt(r['gap_xfit_ci_low'])}, " \
                      f"{_fmt(r['gap_xfit_ci_high'])}]"
-        (line,) = ax.plot(phases, acc, label=label + ")", **style)
+        (line,) = ax.plot(x, acc, label=label + ")", markersize=5, linewidth=1.2, **style)
         colors[r["press"]] = line.get_color()
-        ax.fill_between(phases, lo, hi, alpha=0.15, color=line.get_color())
+        below = [max(a - b, 0.0) for a, b in zip(acc, lo)]  # max: an interval's rounding, never its width
+        above = [max(b - a, 0.0) for a, b in zip(acc, hi)]
+        ax.errorbar(x, acc, yerr=[below, above], fmt="none", ecolor=line.get_color(), elinewidth=0.8, alpha=0.5)
     for a in axes[:, 0]:
         a.axvspan(stride - 1.5, stride - 0.5, color="grey", alpha=0.1)
     ax.set_ylabel("accuracy (95% CI)")
@@ -163,6 +194,11 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
     if n:
         title += (f"\n{n} samples per phase: a single phase {_fmt(detectable)} lower is detected with 80% power"
                   if detectable is not None else f"\n{n} samples per phase: too few to detect one weak phase")
+    if left_out:
+        import textwrap
+
+        names = ", ".join(r["press"] for r in left_out)
+        ax.plot([], [], " ", label=textwrap.fill(f"not drawn (in report.md's table): {names}", 60))
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
@@ -180,6 +216,7 @@ def plot_group(records: list[dict], path: str, title: str) -> None:
     axes[-1, 0].set_xticks(phases)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+    return [r["press"] for r in records]
 
 
 def _slug(text: str) -> str:
@@ -246,9 +283,10 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
             else "query-agnostic"
         which = (f"model {model}, " if "model" in split else "") + \
             (f"seed {group[0].get('seed')}, " if "seed" in split else "")
-        plot_group(control + group, os.path.join(output_dir, name),
-                   f"{which}{task}, {length} tokens, stride {stride}, {asked}, {protocol} protocol, {where}")
-        plots.append((name, f"{which}{task}", length, stride, ratio, f"{protocol}, {where}"))
+        drawn = plot_group(control + group, os.path.join(output_dir, name),
+                           f"{which}{task}, {length} tokens, stride {stride}, {asked}, {protocol} protocol, {where}")
+        left = [r["press"] for r in group if r["press"] not in drawn]
+        plots.append((name, f"{which}{task}", length, stride, ratio, f"{protocol}, {where}", left))
 
     lines = ["# Phase evaluation report", ""]
     if config:
@@ -279,9 +317,12 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
     table = summary_table(records)
     if not table.empty:
         lines += [table.to_markdown(index=False, floatfmt=".3f"), ""]
-    for name, task, length, stride, ratio, protocol in plots:
+    for name, task, length, stride, ratio, protocol, left in plots:
         lines += [f"## {task}, {length} tokens, stride {stride}, ratio {ratio:g}, {protocol}", "",
                   f"![{name}]({name})", ""]
+        if left:
+            lines += [f"Drawn: no_press, our presses and the {BASELINES_DRAWN} other presses of highest mean accuracy; "
+                      f"in the table only: {', '.join(f'`{p}`' for p in left)}.", ""]
     with open(os.path.join(output_dir, "report.md"), "w") as fh:
         fh.write("\n".join(lines))
     return records
