@@ -35,3 +35,19 @@ def test_notebook_runs(path, tmp_path):
     finally:
         os.environ.clear()
         os.environ.update(env_backup)
+
+
+def test_quickstart_text_names_the_scorer_its_select_press_uses():
+    """Notebook 01 says by which score `select` mode keeps a window's tokens: the score of the scorer its
+    ChunkedStridePress uses, the default one (the notebook's code sets no scorer=)."""
+    from kvpress_phase import ChunkedStridePress
+    from kvpress_phase.presses.scorers import SCORERS
+
+    nb = nbformat.read(NOTEBOOKS[0].parent / "01_quickstart.ipynb", as_version=4)
+    assert not any("scorer=" in cell.source for cell in nb.cells if cell.cell_type == "code")
+    default = type(ChunkedStridePress(0.5).scorer).__name__
+    text = " ".join(" ".join(cell.source.split()) for cell in nb.cells if cell.cell_type == "markdown")
+    sentence = text[text.index("In `select` mode"):].split(". ")[0]
+    assert default in sentence
+    assert not [cls.__name__ for cls in SCORERS.values() if cls.__name__ != default and cls.__name__ in sentence]
+    assert "key norm" not in sentence or default == "KnormPress"
