@@ -8,10 +8,9 @@
 Bad input exits with code 2 and a one-line message; `train --max-minutes` exits with code 3 when it pauses
 (rerun the same command to resume).
 
-This package only composes the commands: ``eval``, ``audit``, ``report``, ``pack`` and ``list`` are evaluation's
-(:mod:`kvpress_phase.evaluation.cli`), ``train`` and ``train-scorer`` are training's
-(:mod:`kvpress_phase.training.cli`, :mod:`kvpress_phase.training.scorer_cli`). Nothing in
-the package imports it, so that evaluation stays below training (``tests/test_import_layers.py``).
+This package only composes the commands: ``eval``, ``audit``, ``report``, ``pack``, ``drop`` and ``list`` are
+evaluation's (:mod:`kvpress_phase.evaluation.cli`), ``train`` and ``train-scorer`` are training's
+(:mod:`kvpress_phase.training.cli`, :mod:`kvpress_phase.training.scorer_cli`). Nothing in the package imports it, so that evaluation stays below training (``tests/test_import_layers.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ EXAMPLES = """examples:
   kvpress-phase audit chunkkv,chunk:scorer=keydiff --model smollm2 --output-dir outputs/audit
   kvpress-phase report outputs/sweep outputs/phase-eval --output-dir outputs/merged
   kvpress-phase pack outputs/sweep   finished runs stored compactly (one Parquet file of every answer)
+  kvpress-phase drop outputs/sweep --presses knorm   a press's answers taken out, to answer them again by resuming
   kvpress-phase list      task, press and model names the flags accept
   kvpress-phase train --recipe chunked --output-dir outputs/models/chunked
   kvpress-phase train-scorer --model smollm2 --output-dir outputs/scorers/smollm2
@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(prog="kvpress-phase", description=DESCRIPTION, epilog=EXAMPLES,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{eval,audit,report,pack,list,train,train-scorer}",
-                                parser_class=Parser)
+    commands = list(evaluation_cli.COMMANDS) + ["train", "train-scorer"]  # evaluation's commands, then training's
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(commands) + "}", parser_class=Parser)
     sub.required = True
     evaluation_cli.add_commands(sub)
     training_cli.add_command(sub)

@@ -31,9 +31,10 @@ def int_at_least(minimum: int, name: str):
     return parse
 
 
-def csv_list(cast, name: str):
+def csv_list(cast, name: str, check: Optional[Callable[[object], Optional[str]]] = None):
     """The argparse ``type`` of a comma-separated list flag ``name`` whose items are ``cast``: empty items are
-    skipped, and a bad item or an empty list is an error naming the flag."""
+    skipped, and a bad item or an empty list is an error naming the flag. ``check(value)``: what is wrong with an
+    item, the error's words after the flag's name (``must hold ...``), or None when it is good."""
 
     def parse(text: str):
         try:
@@ -42,9 +43,24 @@ def csv_list(cast, name: str):
             raise argparse.ArgumentTypeError(f"{name} takes a comma-separated list, got {text!r}") from None
         if not values:
             raise argparse.ArgumentTypeError(f"{name} must not be empty")
+        for value in values if check else ():
+            problem = check(value)
+            if problem:
+                raise argparse.ArgumentTypeError(f"{name} {problem}")
         return values
 
     return parse
+
+
+def at_least(minimum: int, what: str) -> Callable[[int], Optional[str]]:
+    """A :func:`csv_list` check: integers ``what`` that are ``>= minimum``."""
+    return lambda value: None if value >= minimum else f"must hold {what} >= {minimum}, got {value}"
+
+
+def compression_ratios(name: str = "--compression-ratios"):
+    """The argparse ``type`` of a list of compression ratios, each in ``[0, 1)``: refused while the command line is
+    parsed, before torch is imported."""
+    return csv_list(float, name, lambda r: None if 0 <= r < 1 else f"must hold compression ratios in [0, 1), got {r:g}")
 
 
 threads = int_at_least(1, "--threads")

