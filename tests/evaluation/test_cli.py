@@ -581,4 +581,3 @@ def test_context_past_the_builtin_model_training_is_one_warning_line(tmp_path, c
     assert warnings == ["kvpress-phase: warning: context length 2100 exceeds the 2048 tokens the built-in model "
                         "'builtin' was trained on: its rotary positions extrapolate there, but accuracy at such "
                         "lengths says little about compression"]
-
