@@ -5,8 +5,9 @@
 For each run the evaluation's examples are planned again from its ``config.json`` (:func:`~.config.plan_units`:
 deterministic, no model needed, only its tokenizer), which gives every answer its budget; each answer's prediction
 is encoded with the same tokenizer and counted as cut when it is at least that long. Per task, context length and
-press: accuracy, the share of answers cut, accuracy among the cut ones, and the mean share of the reference answers
-the prediction contains (what a longer budget could at most have added to a task that needs them all).
+press: accuracy, the share of answers cut, accuracy among the cut ones, the share of answers that are both cut and
+wrong (``cut_wrong``: the most a longer budget could change; a cut answer that already holds its references loses
+nothing), and the mean share of the reference answers the prediction contains.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def table(run: str) -> pd.DataFrame:
     answers["cut"] = [len(tokenizer.encode(p, add_special_tokens=False)) >= b
                       for p, b in zip(answers.prediction, answers.max_new_tokens)]
     answers["found"] = [sum(a in p for a in ans) / len(ans) for ans, p in zip(answers.answer, answers.prediction)]
+    answers["cut_wrong"] = answers.cut & (answers.score < 1)
     grouped = answers.groupby(["task", "context_length", "press"])
     out = grouped.agg(answers=("score", "size"), budget=("max_new_tokens", "median"), accuracy=("score", "mean"),
-                      cut=("cut", "mean"), found=("found", "mean"))
+                      cut=("cut", "mean"), cut_wrong=("cut_wrong", "mean"), found=("found", "mean"))
     out["accuracy_of_cut"] = grouped.apply(lambda g: g.score[g.cut].mean() if g.cut.any() else float("nan"),
                                            include_groups=False)
     return out.reset_index()

@@ -27,6 +27,7 @@ def test_a_prediction_at_the_budget_counts_as_cut(tmp_path):
     after = table(str(run)).set_index("task")
     assert after.loc["vt", "cut"] == 0.5 and after.loc["vt", "found"] == 0.0
     assert after.loc["vt", "accuracy_of_cut"] == pytest.approx(sum(r["score"] for r in vt[:2]) / 2)  # stored scores
+    assert after.loc["vt", "cut_wrong"] == pytest.approx(sum(r["score"] < 1 for r in vt[:2]) / 4)
     assert after.loc["niah_single", "cut"] == before.set_index("task").loc["niah_single", "cut"]  # untouched
 
     out = tmp_path / "t.md"
