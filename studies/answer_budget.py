@@ -7,12 +7,15 @@ deterministic, no model needed, only its tokenizer), which gives every answer it
 is encoded with the same tokenizer and counted as cut when it is at least that long. Per task, context length and
 press: accuracy, the share of answers cut, accuracy among the cut ones, the share of answers that are both cut and
 wrong (``cut_wrong``: the most a longer budget could change; a cut answer that already holds its references loses
-nothing), and the mean share of the reference answers the prediction contains.
+nothing), for ``vt`` the share of answers cut while still right so far (``cut_open``: every variable named first on a
+line of the prediction is a reference and none twice, so that more tokens could still have made it right), and the
+mean share of the reference answers the prediction contains.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import pandas as pd
@@ -39,6 +42,16 @@ def budgets(run: str) -> tuple[pd.DataFrame, object]:
     return pd.DataFrame(rows), tokenizer
 
 
+def vt_open(prediction: str, references) -> bool:
+    """Whether a ``vt`` answer is right so far: the variables it names first on each line are references (the last
+    one may be cut inside its name), none twice: what a cut answer needs for more tokens to make it right."""
+    named = [m.group(1) for m in (re.search(r"VAR (\w+)", line) for line in prediction.split("\n")) if m]
+    if not named or len(set(named)) != len(named):
+        return False
+    *whole, last = named  # the last may be cut inside the name
+    return set(whole) <= set(references) and any(r.startswith(last) for r in references)
+
+
 def table(run: str) -> pd.DataFrame:
     planned, tokenizer = budgets(run)
     answers = load_answers([run]).merge(planned, on=KEYS, how="left", validate="many_to_one")
@@ -48,9 +61,12 @@ def table(run: str) -> pd.DataFrame:
                       for p, b in zip(answers.prediction, answers.max_new_tokens)]
     answers["found"] = [sum(a in p for a in ans) / len(ans) for ans, p in zip(answers.answer, answers.prediction)]
     answers["cut_wrong"] = answers.cut & (answers.score < 1)
+    answers["cut_open"] = [c and w and t == "vt" and vt_open(p, a) for c, w, t, p, a in
+                           zip(answers.cut, answers.cut_wrong, answers.task, answers.prediction, answers.answer)]
     grouped = answers.groupby(["task", "context_length", "press"])
     out = grouped.agg(answers=("score", "size"), budget=("max_new_tokens", "median"), accuracy=("score", "mean"),
-                      cut=("cut", "mean"), cut_wrong=("cut_wrong", "mean"), found=("found", "mean"))
+                      cut=("cut", "mean"), cut_wrong=("cut_wrong", "mean"), cut_open=("cut_open", "mean"),
+                      found=("found", "mean"))
     out["accuracy_of_cut"] = grouped.apply(lambda g: g.score[g.cut].mean() if g.cut.any() else float("nan"),
                                            include_groups=False)
     return out.reset_index()

@@ -59,6 +59,16 @@ def test_the_licence_ships_and_is_declared(wheel):
     assert "License-Expression: Apache-2.0" in meta.splitlines()
 
 
+def test_the_wheel_names_its_project_urls(wheel):
+    names, path, _ = wheel
+    (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    with zipfile.ZipFile(path) as zf:
+        meta = zf.read(metadata).decode().splitlines()
+    urls = dict(line.split(": ", 1)[1].split(", ", 1) for line in meta if line.startswith("Project-URL: "))
+    assert urls.get("kvpress", "").startswith("https://github.com/NVIDIA/kvpress")
+    assert urls.get("Paper", "").startswith("https://arxiv.org/abs/")
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_each_built_in_model_ships_with_its_card(wheel, model):
     names, _, _ = wheel

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvpress_phase.evaluation.cli import main as cli_main
-from studies.answer_budget import main, table
+from studies.answer_budget import main, table, vt_open
 
 
 def test_a_prediction_at_the_budget_counts_as_cut(tmp_path):
@@ -36,3 +36,12 @@ def test_a_prediction_at_the_budget_counts_as_cut(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         table(str(tmp_path))
     assert main([str(tmp_path)]) == 2  # on the command line: one line, exit 2
+
+
+def test_vt_open_answers_are_right_so_far():
+    refs = ["storm", "onion", "parcel"]
+    assert vt_open("\n\n1. VAR storm\n2. VAR onion\n3. VAR par", refs)
+    assert vt_open("VAR onion = VAR storm\nVAR storm", refs)  # the first name of each line counts
+    assert not vt_open("\n\n1. VAR storm\n2. VAR storm", refs)  # a repeat
+    assert not vt_open("1. VAR storm\n2. VAR canyon", refs)  # a name that is not a reference
+    assert not vt_open("The grass is green.", refs)  # no variable named
