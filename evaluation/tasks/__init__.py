@@ -49,8 +49,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
-from kvpress_phase.core.phase import phase_of
-
 from ..prompting import (
     check_tokenizer,
     context_prefix_length,
@@ -71,9 +69,8 @@ from .base import (
     tail_reserve,
 )
 from .hub import HubDatasetError, load_hub_tasks, replace_needles
+from .placement import PROTOCOLS, draw_filler, place_answer
 from .vocab import PAD_WORDS
-
-PROTOCOLS = ("prefix", "offset")
 
 
 @dataclass(frozen=True)
@@ -216,7 +213,7 @@ def _pad_words(tokenizer, rng: random.Random, stride: int) -> list[str]:
     words = single_token_words(tokenizer, PAD_WORDS)
     if not words:
         raise ValueError("the tokenizer has no single-token filler word; prefix padding is impossible")
-    return [rng.choice(words) for _ in range(max(64, 4 * stride))]
+    return draw_filler(words, rng, stride)
 
 
 def _max_new_tokens(spec: TaskSpec, tokenizer, completion: str) -> int:
@@ -301,14 +298,8 @@ def generate(
             tail_rng=random.Random(derive_seed("eval-tail", spec.name, seed, index)),
             pad_words=_pad_words(tokenizer, random.Random(derive_seed("eval-pad", spec.name, seed, index)), stride),
         )
-        base = assembler.fit(0) if protocol == "offset" else None
         for p in phases:
-            if protocol == "offset":
-                placed, row_offset = base, (base.answer_span[0] - p) % stride
-            else:
-                placed, _ = assembler.at_phase(p, stride, offset)
-                row_offset = offset
-            assert phase_of(placed.answer_span[0], stride, row_offset) == p
+            placed, row_offset = place_answer(assembler, p, stride, protocol, offset)
             rows.append(
                 {
                     "context": placed.context,
@@ -365,7 +356,7 @@ def training_example(
         tail_rng=random.Random(derive_seed("train-tail", spec.name, sample_seed, 1)),
         pad_words=_pad_words(tokenizer, random.Random(derive_seed("train-pad", spec.name, sample_seed, 1)), 1),
     )
-    placed = assembler.fit(0)
+    placed = assembler.unpadded()
     return training_sequence(tokenizer, placed.context, draft.question, draft.answer_prefix, draft.completion)
 
 

@@ -6,10 +6,10 @@ where the phase-defining answer value sits inside it, and the question. The code
 
 1. appends a *trailing zone* of haystack words after the last block and sizes it so that the prefill sequence
    (as kvpress's pipeline builds it, BOS included) has exactly the requested number of tokens;
-2. places the example at each requested phase: under the ``"prefix"`` protocol by inserting filler words
-   right before the answer-bearing block (and trimming the trailing zone by as many tokens; the trailing
-   zone is cut word by word, punctuation apart), under the ``"offset"`` protocol by leaving the text alone
-   and reporting the window offset that puts the answer at the phase;
+2. gives :func:`.placement.place_answer` what it needs to place the example at each requested phase: under
+   the ``"prefix"`` protocol contexts with filler words right before the answer-bearing block (and the trailing
+   zone trimmed by as many tokens; the trailing zone is cut word by word, punctuation apart), under the
+   ``"offset"`` protocol the text as written (the window offset then puts the answer at the phase);
 3. checks every position by re-tokenising the prefill text, so it works with any fast tokenizer.
 
 Where the filler goes
@@ -21,7 +21,7 @@ space before a word into the word's token (``"ĠParagraph"`` after a space, ``"P
 so when the filler would change the block's tokens it goes before the separator instead
 (``"...end. w1 w2\nParagraph 3:"``) and the block is always written after its own separator, even when it
 opens the context. The choice is made once per example from its unpadded text, so every phase of an example
-uses the same layout, and :meth:`Assembler.at_phase` checks that the answer's tokens are those of the
+uses the same layout, and :func:`.placement.place_answer` checks that the answer's tokens are those of the
 unpadded text.
 
 Seeds
@@ -39,8 +39,6 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
-
-from kvpress_phase.core.phase import phase_of
 
 from ..prompting import encode_with_offsets, offsets_to_token_span
 from . import vocab
@@ -295,6 +293,7 @@ class Assembler:
         self.pad_words = pad_words
         self._counts: dict[str, int] = {}
         self._base: Optional[Placed] = None
+        self._unpadded: Optional[Placed] = None
         self.filler_before_separator = False
         """Where prefix filler goes: after the target block's separator (False) or before it (True)."""
 
@@ -408,33 +407,29 @@ class Assembler:
         bare, padded = self.measure(0, 0), self.measure(1, 0)
         self.filler_before_separator = bare.tokens(bare.needle_span) != padded.tokens(padded.needle_span)
 
-    def at_phase(self, phase: int, stride: int, offset: int) -> tuple[Placed, int]:
-        """Prefix padding that puts the first answer token at ``phase``; returns the placement and pad count.
+    # ---- what the placement moves (:func:`.placement.place_answer`)
+    @property
+    def n_filler(self) -> int:
+        return len(self.pad_words)
 
-        Raises RuntimeError when no padding lands on the phase, or when the padding changes the answer's tokens
-        (a tokenizer for which neither filler layout keeps them).
-        """
+    def unpadded(self) -> Placed:
+        """The draft at the requested length without filler, the target block written as any other (the
+        ``"offset"`` protocol's context: the filler layout plays no part)."""
+        if self._unpadded is None:
+            chosen, self.filler_before_separator = self.filler_before_separator, False
+            try:
+                self._unpadded = self.fit(0)
+            finally:
+                self.filler_before_separator = chosen
+        return self._unpadded
+
+    def padded(self, n_pad: int) -> Placed:
+        """``n_pad`` filler words before the target block in the example's filler layout (chosen at the first
+        call), the trailing zone sized to keep the length: the ``"prefix"`` protocol's contexts."""
         if self._base is None:
             self.choose_filler_layout()
             self._base = self.fit(0)
-        n_pad = (phase - phase_of(self._base.answer_span[0], stride, offset)) % stride
-        for _ in range(4 * stride):
-            placed = self.fit(n_pad)
-            shift = (phase - phase_of(placed.answer_span[0], stride, offset)) % stride
-            if shift == 0:
-                if placed.tokens(placed.answer_span) != self._base.tokens(self._base.answer_span):
-                    raise RuntimeError(
-                        f"filler before the needle changes the answer's tokens with this tokenizer (phase {phase}, "
-                        f"{n_pad} filler words), so the phases would not see the same answer token; use the "
-                        f"'offset' protocol, which keeps the text fixed"
-                    )
-                return placed, n_pad
-            n_pad += shift
-            if n_pad > len(self.pad_words):
-                break
-        raise RuntimeError(
-            f"could not place the answer at phase {phase} (stride {stride}) with single-token filler words"
-        )
+        return self._base if n_pad == 0 else self.fit(n_pad)
 
 
 def phase_columns(placed: "Placed", phase: int, stride: int, offset: int, protocol: str, seed: int,

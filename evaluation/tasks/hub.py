@@ -12,7 +12,8 @@ For every row
    gives their count);
 2. the needle runs from the start of its sentence or line (after the previous ``.``/``!``/``?`` followed by
    whitespace, or the previous newline) to the end of the answer;
-3. ``"prefix"`` protocol: single-token filler words are inserted right before the needle until the first
+3. placed at each phase by :func:`~.placement.place_answer`, which the generators use too: ``"prefix"``
+   protocol: single-token filler words are inserted right before the needle until the first
    answer token lands on the phase (every candidate is re-tokenised, as token counts vary with BPE), then the
    context is cut at its end by as many tokens. When filler there would change the needle's tokens (a
    byte-level BPE reads a line-initial "Paragraph" and one after a space as different tokens), the filler
@@ -41,10 +42,9 @@ import re
 import warnings
 from typing import Iterable, Optional, Sequence
 
-from kvpress_phase.core.phase import phase_of
-
 from ..prompting import check_tokenizer, encode_with_offsets
 from .base import EVAL_SEED_LIMIT, Placed, derive_seed, measure, phase_columns, single_token_words
+from .placement import PROTOCOLS, draw_filler, place_answer
 from .vocab import PAD_WORDS
 
 KVPRESS_COLUMNS = ("context", "question", "answer_prefix", "answer", "task", "max_new_tokens")
@@ -228,19 +228,13 @@ class _Row:
             placed = measure(self.tokenizer, filled, needle, answer)
         return placed
 
-    def at_phase(self, phase: int, stride: int, offset: int) -> Placed:
-        n_pad = (phase - phase_of(self.base.answer_span[0], stride, offset)) % stride
-        for _ in range(4 * stride):
-            if n_pad > len(self.words):
-                break
-            placed = self.padded(n_pad)
-            shift = (phase - phase_of(placed.answer_span[0], stride, offset)) % stride
-            if shift == 0:
-                return placed
-            n_pad += shift
-        raise RuntimeError(
-            f"could not place the answer at phase {phase} (stride {stride}) with single-token filler words"
-        )
+    def unpadded(self) -> Placed:
+        """The source row as it is (the ``"offset"`` protocol's context)."""
+        return self.base
+
+    @property
+    def n_filler(self) -> int:
+        return len(self.words)
 
 
 # --------------------------------------------------------------------------------------------- placement
@@ -291,8 +285,8 @@ def replace_needles(
     phases = list(phases)
     if not phases or any(not _is_int(p) or not 0 <= p < stride for p in phases):
         raise ValueError(f"phases must be a non-empty list of integers in [0, stride={stride}), got {phases!r}")
-    if protocol not in ("prefix", "offset"):
-        raise ValueError(f"protocol must be one of ('prefix', 'offset'), got {protocol!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if not _is_int(offset) or not 0 <= offset < stride:
         raise ValueError(f"offset must be an integer in [0, stride={stride}), got {offset!r}")
     if not _is_int(seed) or not 0 <= seed < EVAL_SEED_LIMIT:
@@ -325,15 +319,11 @@ def replace_needles(
             continue
         needle = (needle_start(context, answer[0]), answer[1])
         rng = random.Random(derive_seed("hub-pad", str(source["task"]), seed, index))
-        row = _Row(tokenizer, context, needle, answer, [rng.choice(words) for _ in range(max(64, 4 * stride))])
+        row = _Row(tokenizer, context, needle, answer, draw_filler(words, rng, stride))
         base = row.base
         extra = {k: source.get(k) for k in columns if k not in KVPRESS_COLUMNS}
         for p in phases:
-            if protocol == "offset":
-                placed, row_offset = base, (base.answer_span[0] - p) % stride
-            else:
-                placed, row_offset = row.at_phase(p, stride, offset), offset
-            assert phase_of(placed.answer_span[0], stride, row_offset) == p
+            placed, row_offset = place_answer(row, p, stride, protocol, offset)
             rows.append(
                 {
                     **extra,

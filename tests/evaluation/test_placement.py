@@ -142,6 +142,43 @@ def test_a_padding_that_changes_the_answer_token_is_refused(bpe, monkeypatch):
         generate("passage_retrieval", bpe, n_samples=1, context_length=LENGTH, stride=STRIDE, phases=range(STRIDE))
 
 
+def test_generators_and_hub_share_one_placement(word_tokenizer, monkeypatch):
+    """generate and replace_needles place every row through placement.place_answer, which refuses an unknown
+    protocol by name and a padding that never lands on the phase."""
+    from kvpress_phase.evaluation.tasks import placement
+    from kvpress_phase.evaluation.tasks.base import Placed
+
+    calls = []
+    real = placement.place_answer
+
+    def counted(example, phase, stride, protocol, offset):
+        calls.append(type(example).__name__)
+        return real(example, phase, stride, protocol, offset)
+
+    import kvpress_phase.evaluation.tasks as tasks
+    from kvpress_phase.evaluation.tasks import hub
+
+    monkeypatch.setattr(tasks, "place_answer", counted)
+    monkeypatch.setattr(hub, "place_answer", counted)
+    rows = generate("niah_single", word_tokenizer, n_samples=1, context_length=200, stride=4, phases=[0, 3])
+    replace_needles(rows.to_list()[:1], word_tokenizer, stride=4, phases=[1, 2], protocol="offset")
+    assert calls == ["Assembler", "Assembler", "_Row", "_Row"]
+
+    class Stuck:  # every padding leaves the answer where it was
+        n_filler = 64
+
+        def padded(self, n_pad):
+            return Placed("x", 10, (0, 5), (5, 6), token_ids=tuple(range(10)))
+
+        unpadded = lambda self: self.padded(0)  # noqa: E731
+
+    with pytest.raises(ValueError, match="protocol must be one of"):
+        real(Stuck(), 0, 4, "suffix", 0)
+    with pytest.raises(RuntimeError, match="could not place the answer at phase 2"):
+        real(Stuck(), 2, 4, "prefix", 0)
+    assert real(Stuck(), 2, 4, "offset", 0)[1] == 3
+
+
 def _longbench_style_rows(n_rows: int = 3) -> list[dict]:
     """Passage-retrieval rows shaped like LongBench's: "Paragraph N: ..." blocks, the answer a label."""
     rng = random.Random(5)
