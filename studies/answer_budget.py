@@ -7,9 +7,9 @@ deterministic, no model needed, only its tokenizer), which gives every answer it
 is encoded with the same tokenizer and counted as cut when it is at least that long. Per task, context length and
 press: accuracy, the share of answers cut, accuracy among the cut ones, the share of answers that are both cut and
 wrong (``cut_wrong``: the most a longer budget could change; a cut answer that already holds its references loses
-nothing), for ``vt`` the share of answers cut while still right so far (``cut_open``: every variable named first on a
-line of the prediction is a reference and none twice, so that more tokens could still have made it right), and the
-mean share of the reference answers the prediction contains.
+nothing), for the list tasks (``vt``, multi-value and multi-query needles) the share cut while still right so far
+(``cut_open``, :func:`still_open`: what more tokens could still have made right), and the mean share of the
+reference answers the prediction contains.
 """
 
 from __future__ import annotations
@@ -42,13 +42,25 @@ def budgets(run: str) -> tuple[pd.DataFrame, object]:
     return pd.DataFrame(rows), tokenizer
 
 
-def vt_open(prediction: str, references) -> bool:
-    """Whether a ``vt`` answer is right so far: the variables it names first on each line are references (the last
-    one may be cut inside its name), none twice: what a cut answer needs for more tokens to make it right."""
-    named = [m.group(1) for m in (re.search(r"VAR (\w+)", line) for line in prediction.split("\n")) if m]
-    if not named or len(set(named)) != len(named):
+ITEMS = {
+    "vt": lambda p: [m.group(1) for m in (re.search(r"VAR (\w+)", line) for line in p.split("\n")) if m],
+    "niah_multivalue": lambda p: re.findall(r"\d+(?: \d+)?", p),
+    "niah_multiquery": lambda p: re.findall(r"\d+(?: \d+)?", p),
+}
+"""The items a list task's answer names, in order: for ``vt`` the variable named first on each line, for the
+multi-value and multi-query needles each value ("48 21", or a lone number where the answer was cut inside one)."""
+
+
+def still_open(task: str, prediction: str, references) -> bool:
+    """Whether a list task's answer is right so far: every item it names is a reference (the last one may be cut
+    inside it), none twice, and fewer than the references, so that more tokens could still make it right. False for
+    the other tasks (one short answer: cut and wrong is the most a budget could change, ``cut_wrong``)."""
+    if task not in ITEMS:
         return False
-    *whole, last = named  # the last may be cut inside the name
+    named = ITEMS[task](prediction)
+    if not named or len(set(named)) != len(named) or len(named) > len(references):
+        return False
+    *whole, last = named
     return set(whole) <= set(references) and any(r.startswith(last) for r in references)
 
 
@@ -61,8 +73,8 @@ def table(run: str) -> pd.DataFrame:
                       for p, b in zip(answers.prediction, answers.max_new_tokens)]
     answers["found"] = [sum(a in p for a in ans) / len(ans) for ans, p in zip(answers.answer, answers.prediction)]
     answers["cut_wrong"] = answers.cut & (answers.score < 1)
-    answers["cut_open"] = [c and w and t == "vt" and vt_open(p, a) for c, w, t, p, a in
-                           zip(answers.cut, answers.cut_wrong, answers.task, answers.prediction, answers.answer)]
+    answers["cut_open"] = [w and still_open(t, p, a) for w, t, p, a in
+                           zip(answers.cut_wrong, answers.task, answers.prediction, answers.answer)]
     grouped = answers.groupby(["task", "context_length", "press"])
     out = grouped.agg(answers=("score", "size"), budget=("max_new_tokens", "median"), accuracy=("score", "mean"),
                       cut=("cut", "mean"), cut_wrong=("cut_wrong", "mean"), cut_open=("cut_open", "mean"),

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvpress_phase.evaluation.cli import main as cli_main
-from studies.answer_budget import main, table, vt_open
+from studies.answer_budget import main, still_open, table
 
 
 def test_a_prediction_at_the_budget_counts_as_cut(tmp_path):
@@ -38,10 +38,15 @@ def test_a_prediction_at_the_budget_counts_as_cut(tmp_path):
     assert main([str(tmp_path)]) == 2  # on the command line: one line, exit 2
 
 
-def test_vt_open_answers_are_right_so_far():
+def test_open_answers_are_right_so_far():
     refs = ["storm", "onion", "parcel"]
-    assert vt_open("\n\n1. VAR storm\n2. VAR onion\n3. VAR par", refs)
-    assert vt_open("VAR onion = VAR storm\nVAR storm", refs)  # the first name of each line counts
-    assert not vt_open("\n\n1. VAR storm\n2. VAR storm", refs)  # a repeat
-    assert not vt_open("1. VAR storm\n2. VAR canyon", refs)  # a name that is not a reference
-    assert not vt_open("The grass is green.", refs)  # no variable named
+    assert still_open("vt", "\n\n1. VAR storm\n2. VAR onion\n3. VAR par", refs)  # cut inside the last name
+    assert still_open("vt", "VAR onion = VAR storm\nVAR storm", refs)  # the first name of each line counts
+    assert not still_open("vt", "\n\n1. VAR storm\n2. VAR storm", refs)  # a repeat
+    assert not still_open("vt", "1. VAR storm\n2. VAR canyon", refs)  # a name that is not a reference
+    assert not still_open("vt", "The grass is green.", refs)  # no variable named
+    values = ["69 57", "61 13", "64 69", "18 61"]
+    assert still_open("niah_multiquery", " 69 57, 64 69, and 18", values)
+    assert not still_open("niah_multiquery", " 69 57, 64 69, 69 57, and 18 61,", values)  # a repeat
+    assert not still_open("niah_multivalue", " 26 17, 28 52", ["94 84", "26 18"])
+    assert not still_open("qa_single_doc", "Hanoi", ["Hamburg"])  # one short answer: not a list
