@@ -212,7 +212,7 @@ _PARTS = {  # where a run's time goes: (owner, attribute) timed, outermost calls
     "prefill": ("ReplayEngine", "prefill"),
     "KVzip scoring": ("ReplayEngine", "_kvzip_scores"),
     "compression": ("ReplayEngine", "_compress_layers"),
-    "masks (KVzip)": ("decoding", "kvzip_masks"),
+    "masks (KVzip)": ("kvzip_adapter", "kvzip_masks"),
     "decoding": ("decoding", "decode_tokens"),
 }
 
@@ -220,8 +220,9 @@ _PARTS = {  # where a run's time goes: (owner, attribute) timed, outermost calls
 def _timed_run(config, model, tokenizer):
     """(seconds, results, seconds per part) of one run_evaluation of ``config`` into a fresh directory."""
     from kvpress_phase.evaluation import decoding, runner
+    from kvpress_phase.presses import kvzip_adapter
 
-    owners = {"ReplayEngine": runner.ReplayEngine, "decoding": decoding}
+    owners = {"ReplayEngine": runner.ReplayEngine, "decoding": decoding, "kvzip_adapter": kvzip_adapter}
     timers = {name: _Timers() for name in _PARTS}
     undo = [timers[name].wrap(owners[owner], attr) for name, (owner, attr) in _PARTS.items()]
     # the runner imports decode_tokens inside answer_many, from the module: the wrapper is what it finds

@@ -13,10 +13,10 @@ only at a near-tie (docs/benchmarks.md has the measured agreement).
 kvpress's ``KVzipPress`` scores entries while the model repeats the context, then masks the evicted entries during
 decoding rather than removing them (kvpress replaces their keys by a "fake key" whose attention weight underflows
 to zero, found by a search that fails when a step's queries span every direction). It cannot be replayed from the
-recorded compress inputs like the other presses: :func:`kvzip_scores` runs its reconstruction on a copy of the full
-cache once per context (the scores do not depend on the ratio), and :func:`kvzip_masks` applies kvpress's own
-eviction rule for one ratio. Here masked entries are excluded exactly, by a boolean attention mask per layer and
-head (:class:`LayerMasks`), which also serves the padding of caches whose layers differ in length.
+recorded compress inputs like the other presses: :mod:`kvpress_phase.presses.kvzip_adapter` runs its
+reconstruction on a copy of the full cache once per context (the scores do not depend on the ratio) and applies
+kvpress's own eviction rule for one ratio. Here masked entries are excluded exactly, by a boolean attention mask per
+layer and head (:class:`LayerMasks`), which also serves the padding of caches whose layers differ in length.
 """
 
 from __future__ import annotations
@@ -428,35 +428,3 @@ class _null:
 
     def __exit__(self, *exc):
         return False
-
-
-# ------------------------------------------------------------------------------------------------ KVzip
-def kvzip_scores(model, tokenizer, context_ids: torch.Tensor, cache, plus: bool = False) -> torch.Tensor:
-    """KVzip's importance scores ``(layers, 1, kv_heads, context_length)`` of a prefilled context (KVzip+'s with
-    ``plus``), computed by kvpress's ``KVzipPress`` over a copy of ``cache``
-    (:meth:`~kvpress_phase.presses.scorers.KVzipScorer.compute`)."""
-    from kvpress_phase.presses.scorers import KVzipScorer
-
-    return KVzipScorer(kvzip_plus_normalization=plus).compute(model, context_ids, cache, tokenizer=tokenizer)
-
-
-def kvzip_masks(model, scores: torch.Tensor, compression_ratio: float) -> dict:
-    """The entries ``KVzipPress(compression_ratio)`` masks, per layer ``(head_indices, seq_indices)``, by kvpress's
-    own ``compress_post`` (sinks kept; a global budget across layers and heads) on a copy of ``scores``."""
-    from kvpress_phase.presses.scorers import quiet_kvzip_press
-
-    press = quiet_kvzip_press(compression_ratio)
-    press.score_val = scores.clone()
-    masks = {}
-    try:
-        press.compress_post(model)
-        for layer in model.model.layers:
-            module = layer.self_attn
-            found = getattr(module, "masked_key_indices", None)
-            if found is not None:
-                _, heads, seqs = found
-                masks[int(module.layer_idx)] = (heads.clone(), seqs.clone())
-    finally:
-        for layer in model.model.layers:
-            layer.self_attn.masked_key_indices = None
-    return masks

@@ -64,9 +64,9 @@ class _CapturePress(BasePress):
 class KVzipMasks:
     """kvpress's ``KVzipPress`` as the evaluation replays it (the registry's ``kvzip`` and ``kvzip_plus`` build this):
     the full cache, decoded with the entries ``KVzipPress(compression_ratio, kvzip_plus_normalization=...)`` masks.
-    Its scores come from reconstructing the whole context (:func:`.decoding.kvzip_scores`, once per prefill and
-    variant) and its masks from kvpress's own global eviction rule (:func:`.decoding.kvzip_masks`), so a sweep
-    scores a context once for every ratio."""
+    Its scores come from reconstructing the whole context (:func:`~kvpress_phase.presses.kvzip_adapter.kvzip_scores`,
+    once per prefill and variant) and its masks from kvpress's own global eviction rule
+    (:func:`~kvpress_phase.presses.kvzip_adapter.kvzip_masks`), so a sweep scores a context once for every ratio."""
 
     compression_ratio: float = 0.0
     kvzip_plus_normalization: bool = False
@@ -245,20 +245,20 @@ class ReplayEngine:
             return (found[1] or None) if alive else None
         if press.compression_ratio == 0:
             return None
-        from .decoding import kvzip_masks
+        from kvpress_phase.presses.kvzip_adapter import kvzip_masks  # looked up per call: benchmarks time it
         return kvzip_masks(self.model, self._kvzip_scores(state, press.kvzip_plus_normalization),
                            press.compression_ratio)
 
     def _kvzip_scores(self, state: Prefill, plus: bool = False) -> torch.Tensor:
         """KVzip's (or, with ``plus``, KVzip+'s) reconstruction scores of ``state``'s context, computed once per
         prefill (they serve kvpress's ``KVzipPress`` at every ratio and our presses' ``KVzipScorer``)."""
-        from .decoding import kvzip_scores
+        from kvpress_phase.presses.kvzip_adapter import kvzip_scores
 
         if state.offload is not None:
             raise ValueError("KVzip replays the context over the full cache, which offload='cpu' does not keep")
         key = ("kvzip_scores", plus)
         if key not in state.memo:
-            state.memo[key] = kvzip_scores(self.model, self.tokenizer, state.context_ids, state.cache, plus=plus)
+            state.memo[key] = kvzip_scores(self.model, state.context_ids, state.cache, self.tokenizer, plus=plus)
         return state.memo[key]
 
     @torch.inference_mode()

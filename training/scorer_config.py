@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TARGET_EPSILON = 1e-8
+"""KVzip+ scores are clamped at this value before the log (a score of exactly 0 carries no ranking information)."""
+
 EVAL_TASKS = ("niah_single", "niah_multikey")
 """The evaluation generators whose contexts the Spearman correlation is measured on, alternately."""
 

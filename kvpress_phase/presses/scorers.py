@@ -13,7 +13,6 @@ context tokens; a question that the context ends with, or a context whose end re
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import torch
 from kvpress import ExpectedAttentionPress, KeyDiffPress, KnormPress, RandomPress, ScorerPress, SnapKVPress, TOVAPress
 from kvpress.utils import get_prerope_query_states
 
+from kvpress_phase.presses.kvzip_adapter import kvzip_scores
 from kvpress_phase.presses.learned_scorer import LocalKVzapPress
 from torch import nn
 from torch.nn import functional as F
@@ -136,10 +136,10 @@ class KVzipScorer(ScorerPress):
     ``KVzipPress``) scores every cache entry by the largest attention it receives while the model, prompted to
     "repeat the previous context", reconstructs the context over its own cache. The scores need the whole prefilled
     context, so a press with this scorer does not compress during the prefill: it records each layer's inputs,
-    lets the prefill finish, computes the scores (:meth:`compute`, kvpress's own ``KVzipPress`` code: about twice
-    the prefill's compute) and then compresses every layer's cache (``WindowedPress.__call__``). The cache is really
-    shortened, with our presses' exact length rule (kvpress's ``KVzipPress`` keeps every entry and masks the evicted
-    ones).
+    lets the prefill finish, computes the scores (:meth:`compute`: kvpress's own ``KVzipPress`` code, driven by
+    :mod:`~kvpress_phase.presses.kvzip_adapter`; about twice the prefill's compute) and then compresses every
+    layer's cache (``WindowedPress.__call__``). The cache is really shortened, with our presses' exact length rule
+    (kvpress's ``KVzipPress`` keeps every entry and masks the evicted ones).
 
     Parameters
     ----------
@@ -171,63 +171,13 @@ class KVzipScorer(ScorerPress):
             raise ValueError(f"KVzipScorer holds scores of {scores.shape[-1]} tokens, the layer has {n}")
         return scores.to(device=keys.device, dtype=torch.float32)
 
-    @torch.inference_mode()
     def compute(self, model, context_ids: torch.Tensor, cache, tokenizer=None) -> torch.Tensor:
         """Score the prefilled context ``context_ids`` (its full cache ``cache``, not modified) with kvpress's
-        ``KVzipPress``: the reconstruction prompt around the context as ``KVzipPress.__call__`` builds it, its
-        forward hooks over a copy of the cache. Stores and returns the scores."""
-        from transformers import AutoTokenizer
-
-        tokenizer = tokenizer or self.tokenizer or AutoTokenizer.from_pretrained(model.config.name_or_path)
-        press = quiet_kvzip_press(0.0, chunk_size=self.chunk_size,
-                                  kvzip_plus_normalization=self.kvzip_plus_normalization)
-        if tokenizer.chat_template is None:
-            prefix_text, suffix_text = "", "\n"
-        else:
-            dummy = "dummy context"
-            separator = "\n" + "#" * len(dummy)
-            text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
-                                                 add_generation_prompt=True, tokenize=False, enable_thinking=False)
-            context, suffix_text = text.split(separator)
-            prefix_text = context.split(dummy)[0]
-        press.prefix_length = tokenizer.encode(prefix_text, return_tensors="pt", add_special_tokens=False).shape[-1]
-        press._suffix_ids = tokenizer.encode(suffix_text, return_tensors="pt", add_special_tokens=False)
-        press._context_ids = context_ids
-        press._cache = copy.copy(cache)  # the reconstruction appends to (new tensors of) every layer
-        press._cache.layers = [copy.copy(layer) for layer in cache.layers]
-        press.context_length = context_ids.shape[1]
-        for layer in model.model.layers:
-            layer.self_attn.rotary_emb = model.model.rotary_emb
-        pairs = press.prepare(model, tokenizer)
-        hooks = [layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True)
-                 for layer in model.model.layers]
-        try:
-            press.start_idx = press.prefix_length
-            for prefill_ids, repeat_ids in pairs:
-                press.end_idx = press.start_idx + prefill_ids.shape[1]
-                model.model(input_ids=repeat_ids.to(model.device), past_key_values=press._cache)
-                press.start_idx = press.end_idx
-        finally:
-            for hook in hooks:
-                hook.remove()
-        self.scores = press.score_val
+        ``KVzipPress`` (:func:`~kvpress_phase.presses.kvzip_adapter.kvzip_scores`). Stores and returns the
+        scores."""
+        self.scores = kvzip_scores(model, context_ids, cache, tokenizer or self.tokenizer,
+                                   plus=self.kvzip_plus_normalization, chunk_size=self.chunk_size)
         return self.scores
-
-
-def quiet_kvzip_press(compression_ratio: float, **kwargs):
-    """kvpress's ``KVzipPress``, without the warning about its cost that kvpress logs at every construction (the
-    evaluation builds one per context; README and docs/benchmarks.md state the cost)."""
-    import logging
-
-    from kvpress import KVzipPress
-
-    log = logging.getLogger("kvpress.presses.kvzip_press")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        return KVzipPress(compression_ratio=compression_ratio, **kwargs)
-    finally:
-        log.setLevel(level)
 
 
 SCORERS = {

@@ -10,10 +10,10 @@ from transformers import DynamicCache, pipeline
 
 from kvpress_phase import (ChunkedStridePress, GlobalBudgetPress, LayerBudgetPress, PhaseAwarePress,
                            WindowedDecodingPress)
-from kvpress_phase.evaluation.decoding import kvzip_masks, kvzip_scores
 from kvpress_phase.evaluation.presses import REGISTRY, build_press, parse_press_spec, reads_question
 from kvpress_phase.evaluation.config import EvalConfig, duplicate_k
 from kvpress_phase.evaluation.replay import KVzipMasks, ReplayEngine
+from kvpress_phase.presses.kvzip_adapter import kvzip_masks, kvzip_scores
 from kvpress_phase.evaluation.store import read_results
 from kvpress_phase.evaluation.runner import run_evaluation
 from kvpress_phase.evaluation.tasks import generate
@@ -98,7 +98,7 @@ def test_kvzip_replay_masks_what_kvpress_masks(model, word_tokenizer, row, monke
     ids = engine.encode(row["context"], [row["question"]], row["answer_prefix"])["context_ids"]
     state = engine.prefill(ids)
     before = [layer.keys.clone() for layer in state.cache.layers]
-    ours = kvzip_masks(model, kvzip_scores(model, word_tokenizer, ids, state.cache), 0.5)
+    ours = kvzip_masks(model, kvzip_scores(model, ids, state.cache, word_tokenizer), 0.5)
     assert all(torch.equal(a, layer.keys) for a, layer in zip(before, state.cache.layers))  # cache untouched
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: word_tokenizer)
     press = KVzipPress(0.5)

@@ -21,7 +21,7 @@ from kvpress_phase.evaluation.tasks import vocab
 from kvpress_phase.evaluation.tokenizer import build_tokenizer, save_tokenizer
 from kvpress_phase.model_cache import ModelUnavailable, sha256_of
 from kvpress_phase.presses.learned_scorer import LocalKVzapPress, load_scorer, scorer_press
-from kvpress_phase.training import scorer, text_corpus
+from kvpress_phase.training import scorer, scorer_fit, text_corpus
 from kvpress_phase.training.scorer_config import ScorerSettings
 from tiny_models import tiny_model
 
@@ -117,6 +117,24 @@ def test_targets_are_kvpress_kvzip_plus_scores_and_features_the_hooked_attention
     assert torch.equal(hidden, torch.stack([inputs[l] for l in range(n_layers)], dim=1))
 
 
+def test_training_targets_are_the_scores_kvzip_scorer_computes(model, tok, tmp_path):
+    """The saved targets are log KVzipScorer(kvzip_plus_normalization=True)'s scores, bit for bit: train-scorer and
+    the scorer take them from one function (kvpress_phase.presses.kvzip_adapter.kvzip_scores)."""
+    from kvpress_phase.presses.scorers import KVzipScorer
+
+    ids = passage(model, tok)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model.model(input_ids=ids, past_key_values=cache)
+    expected = KVzipScorer(kvzip_plus_normalization=True, tokenizer=tok).compute(model, ids, cache)[:, 0].float()
+    _, scores, _ = scorer.kvzip_plus(model, ids, tok)
+    assert torch.equal(scores, expected)
+    assert scorer.extract(model, [("doc/a", ids[0].tolist())], str(tmp_path), positions=16, seed=0, progress=False,
+                          tokenizer=tok)
+    record, = scorer.load_records(str(tmp_path), [("doc/a", ids[0].tolist())])
+    assert torch.equal(record["targets"], scorer.log_target(expected[:, :, record["positions"]]).permute(2, 0, 1))
+
+
 def test_extracted_features_and_targets_have_the_shapes_of_kvzap(model, tok, tmp_path):
     ids = passage(model, tok, n=40)
     items = [("doc/a", ids[0].tolist()), ("doc/b", passage(model, tok, n=30, seed=2)[0].tolist())]
@@ -164,35 +182,37 @@ def planted(n, n_layers=3, hidden=24, heads=2, noise=0.01, seed=0):
 
 def test_ridge_recovers_a_planted_linear_map():
     x, y, w, b = planted(3000)
-    train = scorer.Samples(x[:2000].half(), y[:2000])
-    validation, test = scorer.Samples(x[2000:2500].half(), y[2000:2500]), scorer.Samples(x[2500:].half(), y[2500:])
-    ridge = scorer.fit_ridge(train, validation)
+    train = scorer_fit.Samples(x[:2000].half(), y[:2000])
+    validation = scorer_fit.Samples(x[2000:2500].half(), y[2000:2500])
+    test = scorer_fit.Samples(x[2500:].half(), y[2500:])
+    ridge = scorer_fit.fit_ridge(train, validation)
     shape = {"num_hidden_layers": 3, "hidden_size": 24, "num_key_value_heads": 2}
-    model = scorer.linear_scorer(ridge, shape, "planted")
-    r2 = scorer.r2_per_layer(scorer.predict(model, test.x), test.y)
+    model = scorer_fit.linear_scorer(ridge, shape, "planted")
+    r2 = scorer_fit.r2_per_layer(scorer_fit.predict(model, test.x), test.y)
     assert min(r2) > 0.999, r2
     assert torch.allclose(ridge["weight"], w, atol=0.02) and torch.allclose(ridge["bias"], b, atol=0.05)
     assert max(ridge["alpha"]) <= 1e-3  # almost no noise: a small penalty wins on the validation split
-    noise = scorer.Samples(train.x, torch.randn(2000, 3, 2))  # nothing to learn: the largest penalty wins
-    assert scorer.fit_ridge(noise, scorer.Samples(validation.x, torch.randn(500, 3, 2)))["alpha"] == \
-        [max(scorer.RIDGE_ALPHAS)] * 3
+    noise = scorer_fit.Samples(train.x, torch.randn(2000, 3, 2))  # nothing to learn: the largest penalty wins
+    assert scorer_fit.fit_ridge(noise, scorer_fit.Samples(validation.x, torch.randn(500, 3, 2)))["alpha"] == \
+        [max(scorer_fit.RIDGE_ALPHAS)] * 3
 
 
 def test_mlp_learns_a_planted_map_with_early_stopping():
     x, y, _, _ = planted(3000, noise=0.05, seed=1)
     y = torch.tanh(y / 4)  # not linear
-    train, validation = scorer.Samples(x[:2500].half(), y[:2500]), scorer.Samples(x[2500:].half(), y[2500:])
+    train = scorer_fit.Samples(x[:2500].half(), y[:2500])
+    validation = scorer_fit.Samples(x[2500:].half(), y[2500:])
     shape = {"num_hidden_layers": 3, "hidden_size": 24, "num_key_value_heads": 2}
-    model, history = scorer.fit_mlp(train, validation, shape, "planted", epochs=40, patience=3, lr=3e-3,
+    model, history = scorer_fit.fit_mlp(train, validation, shape, "planted", epochs=40, patience=3, lr=3e-3,
                                     progress=False)
     assert model.config.hidden_dim == 3 and 1 <= history["epochs_run"] <= 40
-    r2 = scorer.r2_per_layer(scorer.predict(model, validation.x), validation.y)
+    r2 = scorer_fit.r2_per_layer(scorer_fit.predict(model, validation.x), validation.y)
     assert min(r2) > 0.8, r2
     best = [min(range(len(history["validation_mse"])), key=lambda e: history["validation_mse"][e][l])
             for l in range(3)]
     assert best == history["best_epoch"]
     # the folded standardisation: the saved modules take raw inputs
-    mse = ((scorer.predict(model, validation.x) - validation.y) ** 2).mean(dim=(0, 2))
+    mse = ((scorer_fit.predict(model, validation.x) - validation.y) ** 2).mean(dim=(0, 2))
     kept = torch.tensor([history["validation_mse"][e][l] for l, e in enumerate(history["best_epoch"])])
     assert torch.allclose(mse, kept, rtol=1e-3)
 
@@ -204,8 +224,8 @@ def random_scorer(model, tmp_path, seed=0):
     ridge = {"weight": torch.randn(shape["num_hidden_layers"], shape["num_key_value_heads"], shape["hidden_size"],
                                    generator=g), "bias": torch.zeros(shape["num_hidden_layers"],
                                                                      shape["num_key_value_heads"])}
-    built = scorer.linear_scorer(ridge, shape, "tiny-llama")
-    hashes = scorer.save_scorer(built, str(tmp_path / "linear"))
+    built = scorer_fit.linear_scorer(ridge, shape, "tiny-llama")
+    hashes = scorer_fit.save_scorer(built, str(tmp_path / "linear"))
     return built, hashes
 
 
@@ -229,7 +249,7 @@ def test_saved_scorer_round_trips_and_compresses_through_kvpress_kvzap_press(mod
     with torch.no_grad(), press(model):
         model.model(input_ids=ids, past_key_values=cache)
     assert press.kvzap_model_name == str(folder) and press.model_type == "linear"
-    predicted = scorer.predict(loaded, hidden)  # (tokens, layers, KV)
+    predicted = scorer_fit.predict(loaded, hidden)  # (tokens, layers, KV)
     for layer in range(model.config.num_hidden_layers):
         keys = cache.layers[layer].keys
         assert keys.shape[2] == 20
