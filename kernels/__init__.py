@@ -1,6 +1,7 @@
 """Compression ops of kvpress-phase, with one dispatch point between Triton and PyTorch.
 
-Public functions: :func:`select_windows`, :func:`pool_windows` and :func:`keep_and_pool`. Each runs the Triton kernel when the tensors
+Public functions: :func:`select_windows`, :func:`pool_windows`, :func:`keep_and_pool` and :func:`ragged_attention`
+(attention over a ragged, head-flattened KV cache: :mod:`.naive_ragged`, :mod:`.triton_varlen_decode`). Each runs the Triton kernel when the tensors
 are on a CUDA device and Triton is importable, and the plain-PyTorch reference (:mod:`.naive`, the
 specification) otherwise. Force either with ``backend="triton"`` / ``backend="torch"`` or the environment
 variable ``KVPRESS_PHASE_BACKEND`` (``auto``, ``triton`` or ``torch``; the argument wins). With
@@ -11,8 +12,9 @@ Inputs a kernel does not support (:func:`.triton_common.unsupported` says why) f
 one-time warning under ``auto``, and raise ``ValueError`` when Triton was forced. Presses call these functions and
 never branch on device themselves; this module is the only one that chooses between the backends.
 
-Modules: :mod:`.naive` (the references), :mod:`.triton_select`, :mod:`.triton_pool` and
-:mod:`.triton_keep_and_pool` (one fused kernel each) and :mod:`.triton_common` (what the kernels share).
+Modules: :mod:`.naive` and :mod:`.naive_ragged` (the references), :mod:`.triton_select`, :mod:`.triton_pool`,
+:mod:`.triton_keep_and_pool` (one fused kernel each), :mod:`.triton_common` (what those three share) and
+:mod:`.triton_varlen_decode` (flash-decoding over heads of different lengths).
 
 Only torch (and, when present, triton) is imported, with the torch-only :mod:`kvpress_phase.core`: this package
 works without kvpress or transformers, and imports nothing from the presses or the package root.
@@ -29,10 +31,10 @@ import torch
 
 from kvpress_phase.core.phase import WindowLayout
 
-from . import naive
+from . import naive, naive_ragged
 from .naive import ROPE_MODES, WEIGHTINGS, Compressed
 
-__all__ = ["select_windows", "pool_windows", "keep_and_pool", "Compressed", "resolve_backend", "triton_available", "BACKENDS"]
+__all__ = ["select_windows", "pool_windows", "keep_and_pool", "ragged_attention", "Compressed", "resolve_backend", "triton_available", "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "KVPRESS_PHASE_BACKEND"
@@ -42,7 +44,7 @@ ENV_VAR = "KVPRESS_PHASE_BACKEND"
 def triton_available() -> bool:
     """Whether Triton and this package's kernels import on this machine."""
     try:
-        from . import triton_keep_and_pool, triton_pool, triton_select  # noqa: F401
+        from . import triton_keep_and_pool, triton_pool, triton_select, triton_varlen_decode  # noqa: F401
     except Exception:  # ImportError on macOS/Windows, or a broken Triton install
         return False
     return True
@@ -162,3 +164,27 @@ def keep_and_pool(
         _fallback(reason, _forced(backend))
     return naive.keep_and_pool(keys, values, raw, layout, scores=scores, weighting=weighting, rope=rope,
                                inv_freq=inv_freq)
+
+
+def ragged_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    scaling: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """Attention of ``query`` (``(q_heads, n_new, head_dim)``) over each KV head's own entries of head-flattened
+    ``keys``/``values`` (``(capacity, dim)``; head ``h`` owns rows ``starts[h] .. starts[h] + lengths[h] - 1``), causal
+    within the ``n_new`` newest entries. See :func:`.naive_ragged.ragged_attention` for the exact semantics."""
+    naive_ragged.check_ragged_arguments(query, keys, values, starts, lengths)
+    if resolve_backend(query, backend) == "triton":
+        from . import triton_varlen_decode
+
+        reason = triton_varlen_decode.unsupported(query, keys, values, starts.shape[0])
+        if reason is None:
+            return triton_varlen_decode.ragged_attention(query, keys, values, starts, lengths, scaling=scaling)
+        _fallback(reason, _forced(backend))
+    return naive_ragged.ragged_attention(query, keys, values, starts, lengths, scaling=scaling)
