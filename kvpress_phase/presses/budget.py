@@ -9,8 +9,15 @@ KV heads of a layer sharing one choice. A wrapper keeps the same total but spend
   tokens: the entries saved free memory);
 - :class:`GlobalBudgetPress`: across layers and KV heads together (KVzip's shape; masked like the per-head one).
 
+A wrapper pulls what it needs from the press it wraps, as ``AdaKVPress`` pulls ``press.score``: the scores
+(:meth:`~kvpress_phase.presses.base.WindowedPress.score`) and the layout, from which it decides how many window tokens
+each row keeps raw; it then hands the press the scores and those counts (``press.compress(..., scores=...,
+counts=...)``), whose choice (:meth:`~kvpress_phase.PhaseAwarePress.compress_windows`) is a function of them alone.
+The press holds no state of the wrapper's and calls nothing back; the scorer runs once per layer and prefill.
+
 A budget across layers needs every layer's scores before any layer is compressed, so such a wrapper compresses when
-the prefill has finished (:attr:`plans_across_layers`), and it needs scores that compare between layers: KeyDiff's
+the prefill has finished (:attr:`plans_across_layers`), scoring every layer in :meth:`BudgetPress.plan` and keeping
+those scores until the layer is compressed, and it needs scores that compare between layers: KeyDiff's
 cosine similarities are scale-free but rank layers poorly; the learned KVzip+ surrogate (``scorer="kvzap"``,
 :mod:`kvpress_phase.presses.learned_scorer`) predicts one log score on one scale for every layer. Results:
 ``docs/results/r7-learned-budgets.md``.
@@ -23,17 +30,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Union
 
 import torch
 from kvpress import BasePress
 from torch import nn
 
 from kvpress_phase.core.phase import WindowLayout, check_number
-from kvpress_phase.presses.base import _compress_after_prefill
+from kvpress_phase.presses.base import _check_positions, _compress_after_prefill
 from kvpress_phase.presses.choice import spread_budget
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
-from kvpress_phase.presses.scorers import token_scores
 
 
 @dataclass
@@ -111,9 +117,14 @@ class BudgetPress(BasePress):
 
     # ------------------------------------------------------------------ the budget
     def plan(self, layers) -> None:
-        """Decide each layer's raw-token counts from every layer's scores (budgets across layers), before any layer
-        is compressed. ``layers`` yields ``(module, hidden_states, keys, values, attentions, kwargs)`` per layer, what
-        :meth:`compress` receives; each count is used by the next :meth:`compress` of its layer, once."""
+        """Score every layer once and decide its raw-token counts from every layer's scores (budgets across layers),
+        before any layer is compressed. ``layers`` yields ``(module, hidden_states, keys, values, attentions,
+        kwargs)`` per layer, what :meth:`compress` receives.
+
+        Each layer's scores (``(1, kv_heads, seq_len)`` float32, small next to the layer's keys and values) are held
+        with its counts until the next :meth:`compress` of that layer, which compresses with them instead of
+        scoring again and releases them; whatever a previous prefill left unused is released when the next plan
+        starts."""
         self._plan = {}
         if not self.plans_across_layers:
             return
@@ -125,21 +136,23 @@ class BudgetPress(BasePress):
             layout = self.press.layout_for(module, keys)
             if layout.n_windows == 0:
                 continue
-            scores = token_scores(self.press.scorer, module, hidden_states, keys, values, attentions, kwargs)
+            scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
             win = scores.float()[0].gather(1, layout.window_positions()[0].flatten(1))  # (heads, window tokens)
             units.append(win if self.per_head else win.mean(dim=0, keepdim=True))
             budgets.append(layout.n_windows * layout.k)
-            owners.append((getattr(module, "layer_idx", 0), keys.shape[2]))
-        for owner, counts in zip(owners, spread_budget(units, budgets, self.floor)):
-            self._plan[owner] = counts
+            owners.append(((getattr(module, "layer_idx", 0), keys.shape[2]), scores))
+        for (owner, scores), counts in zip(owners, spread_budget(units, budgets, self.floor)):
+            self._plan[owner] = (scores, counts)
 
-    def counts(self, module: nn.Module, scores: torch.Tensor, layout: WindowLayout):
-        """How many window tokens each row of this layer keeps raw: one count, or a ``(batch, heads)`` tensor."""
+    def head_counts(self, scores: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
+        """A layer's raw-token budget spread by score across its KV heads: the ``(batch, heads)`` counts."""
         even = layout.n_windows * layout.k
-        if not self.across_layers:  # across the KV heads of this layer
-            win = scores.float().gather(2, layout.window_positions().flatten(2))  # (batch, heads, window tokens)
-            return torch.stack([spread_budget([row], [even], self.floor)[0] for row in win])
-        owner = (getattr(module, "layer_idx", 0), layout.seq_len)
+        win = scores.float().gather(2, layout.window_positions().flatten(2))  # (batch, heads, window tokens)
+        return torch.stack([spread_budget([row], [even], self.floor)[0] for row in win])
+
+    def planned(self, module: nn.Module, keys: torch.Tensor) -> tuple[torch.Tensor, Union[int, torch.Tensor]]:
+        """The scores and counts :meth:`plan` held for this layer (released from the plan)."""
+        owner = (getattr(module, "layer_idx", 0), keys.shape[2])
         if owner not in self._plan:
             raise ValueError(
                 f"{type(self).__name__} spends its budget across layers, so it needs every layer's scores before "
@@ -147,12 +160,25 @@ class BudgetPress(BasePress):
                 "finished); inside ComposedPress, PerLayerWindowedPress or WindowedDecodingPress it cannot see the "
                 "other layers"
             )
-        counts = self._plan.pop(owner).to(scores.device)
-        return counts[None] if self.per_head else int(counts[0])
+        scores, counts = self._plan.pop(owner)
+        counts = counts.to(keys.device)
+        return scores.to(keys.device), (counts[None] if self.per_head else int(counts[0]))
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        with self.press.spending(self):
-            return self.press.compress(module, hidden_states, keys, values, attentions, kwargs)
+        """Pull the press's scores (planned, or scored here), spend the budget on them, and have the press keep
+        the counts it is given (:meth:`PhaseAwarePress.compress_windows`)."""
+        press = self.press
+        press.validate()
+        _check_positions(press, hidden_states, keys.shape[2])
+        layout = press.layout_for(module, keys)
+        if press.compression_ratio == 0 or layout.n_windows == 0:  # nothing to spend: the press keeps the layer
+            return press.compress(module, hidden_states, keys, values, attentions, kwargs)
+        if self.across_layers:
+            scores, counts = self.planned(module, keys)
+        else:
+            scores = press.score(module, hidden_states, keys, values, attentions, kwargs)
+            counts = self.head_counts(scores, layout)
+        return press.compress(module, hidden_states, keys, values, attentions, kwargs, scores=scores, counts=counts)
 
 
 @dataclass

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -81,7 +80,6 @@ class PhaseAwarePress(WindowedPress):
     pool_window: Optional[int] = None
     weighting: str = "mean"
     rope: str = "start"
-    _budget: Optional[object] = field(default=None, init=False, repr=False, compare=False)
 
     def validate(self) -> None:
         check_choice("residual", self.residual, RESIDUALS)
@@ -97,38 +95,26 @@ class PhaseAwarePress(WindowedPress):
         """RoPE handling matters only where entries are pooled (``residual="pool"``)."""
         return self.residual == "pool" and self.rope != "none"
 
-    @property
-    def share_heads(self) -> bool:
-        """Whether the KV heads of a layer share one choice (they do unless a per-head budget wrapper spends it)."""
-        return not (self._budget is not None and self._budget.per_head)
-
-    @contextlib.contextmanager
-    def spending(self, budget):
-        """While the block runs, the raw-token counts come from ``budget`` (a budget wrapper of
-        :mod:`kvpress_phase.presses.budget`, which calls this around :meth:`compress`)."""
-        self._budget = budget
-        try:
-            yield
-        finally:
-            self._budget = None
-
-    def raw_budget(self, module: nn.Module, scores: torch.Tensor, layout: WindowLayout):
-        """How many window tokens each row of this layer keeps raw: ``n_windows * k``, or what a budget wrapper
-        spends (one count, or a ``(batch, heads)`` tensor)."""
-        if self._budget is None:
-            return layout.n_windows * layout.k
-        return self._budget.counts(module, scores, layout)
-
     def compress_windows(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor,
-                         scores: Optional[torch.Tensor], layout: WindowLayout) -> Compressed:
-        """The row's ``n_windows * k`` best window tokens stay raw (or the counts ``allocate`` spreads); the others
-        are dropped or pooled."""
+                         scores: Optional[torch.Tensor], layout: WindowLayout,
+                         counts: Union[int, torch.Tensor, None] = None) -> Compressed:
+        """The row's best window tokens stay raw; the others are dropped or pooled.
+
+        ``counts`` is how many window tokens each row keeps raw, a function of nothing but its arguments: None is
+        the press's own even budget (``n_windows * k``, or what pooling leaves); one count, every KV head keeping
+        the same tokens (chosen by their mean score); a ``(batch, heads)`` tensor, each KV head its own tokens
+        (``residual="drop"`` only). The budget wrappers of :mod:`kvpress_phase.presses.budget` decide counts and
+        pass them through :meth:`compress`."""
+        if counts is not None and self.residual != "drop":
+            raise ValueError(f"counts spread a raw-token budget by score, which needs residual='drop' (got "
+                             f"residual={self.residual!r})")
         if self.residual == "drop":
-            raw = raw_tokens(scores, layout, self.raw_budget(module, scores, layout), share_heads=self.share_heads,
+            n_raw = layout.n_windows * layout.k if counts is None else counts
+            raw = raw_tokens(scores, layout, n_raw, share_heads=not isinstance(n_raw, torch.Tensor),
                              recent=self.recent)
             return keep_only(keys, values, raw, layout)
         pool_layout, n_raw = self.pool_layout(layout)
-        raw = raw_tokens(scores, pool_layout, n_raw, share_heads=self.share_heads, recent=self.recent, cap=True)
+        raw = raw_tokens(scores, pool_layout, n_raw, share_heads=True, recent=self.recent, cap=True)
         inv_freq = rotary_inv_freq(module) if self.needs_rope else None
         return keep_and_pool(keys, values, raw, pool_layout, scores=scores, weighting=self.weighting, rope=self.rope,
                              inv_freq=inv_freq, backend=self.backend)

@@ -174,6 +174,36 @@ def test_head_budgets_without_a_floor_can_starve_a_head_but_keep_its_protected_t
             assert stored - n_masked >= 4 + 16
 
 
+# ------------------------------------------------------------------------------------------------ one score per layer
+def _counting(scorer, calls):
+    """``scorer`` whose ``score`` appends the layer it scores to ``calls``."""
+    original = scorer.score
+
+    def score(module, *args):
+        calls.append(module.layer_idx)
+        return original(module, *args)
+
+    scorer.score = score
+    return scorer
+
+
+@pytest.mark.parametrize("wrapper", [None, HeadBudgetPress, LayerBudgetPress, GlobalBudgetPress])
+def test_the_scorer_runs_once_per_layer_per_prefill(tokenizer, wrapper):
+    # a budget across layers plans from every layer's scores and compresses with the same scores, not new ones
+    calls = []
+    inner = PhaseAwarePress(0.75, scorer=_counting(KnormPress(), calls))
+    press = inner if wrapper is None else wrapper(inner)
+    _run(press, tokenizer)
+    assert sorted(calls) == [0, 1, 2, 3]
+    calls.clear()
+    word_tokenizer = build_tokenizer()
+    model = tiny_model("llama", vocab_size=len(word_tokenizer), seed=3, num_hidden_layers=3)
+    engine = ReplayEngine(model, word_tokenizer)
+    state = engine.prefill(engine.encode(CONTEXT, ["w1"], "")["context_ids"])
+    engine.compressed_cache(state, press)
+    assert sorted(calls) == [0, 1, 2]
+
+
 # ------------------------------------------------------------------------------------------------ replay
 @pytest.mark.parametrize("spec", ["phase_aware:allocate=layers:floor=0.25", "phase_aware:allocate=heads:share_heads=false",
                                   "phase_aware:allocate=layers_heads:share_heads=false:floor=0.25"])
