@@ -25,6 +25,8 @@ _LAZY = {
     "LayerStats": "kvpress_phase.presses.stats",
     "CacheSummary": "kvpress_phase.presses.stats",
     "cache_summary": "kvpress_phase.presses.stats",
+    "RaggedCache": "kvpress_phase.ragged",
+    "RaggedLayer": "kvpress_phase.ragged",
     "WindowLayout": "kvpress_phase.core.phase",
     "phase_of": "kvpress_phase.core.phase",
     "builtin_model_path": "kvpress_phase.builtin",
