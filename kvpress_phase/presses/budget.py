@@ -3,11 +3,14 @@
 ``PhaseAwarePress`` alone keeps the same number of raw tokens in every layer and KV head (``n_windows * k``), the
 KV heads of a layer sharing one choice. A wrapper keeps the same total but spends it by score:
 
-- :class:`HeadBudgetPress`: across the KV heads of each layer (each head its own tokens; a layer is stored at its
-  longest head and the shorter heads' padding is masked while decoding, as kvpress's ``AdaKVPress`` masks);
+- :class:`HeadBudgetPress`: across the KV heads of each layer (each head its own tokens: the press returns a layer
+  padded to its longest head, and used as a context manager, as kvpress's pipeline uses it, it then stores the layer
+  ragged, each head only its own entries, and decodes with the ragged attention (:mod:`.ragged_store`); called
+  directly (``press.compress``, the replay engine) the padding stays masked, as kvpress's ``AdaKVPress`` masks);
 - :class:`LayerBudgetPress`: across the layers (each layer dense at its own length, the heads sharing their
   tokens: the entries saved free memory);
-- :class:`GlobalBudgetPress`: across layers and KV heads together (KVzip's shape; masked like the per-head one).
+- :class:`GlobalBudgetPress`: across layers and KV heads together (KVzip's shape; stored ragged like the per-head
+  one).
 
 A wrapper pulls what it needs from the press it wraps, as ``AdaKVPress`` pulls ``press.score``: the scores
 (:meth:`~kvpress_phase.presses.base.WindowedPress.score`) and the layout, from which it decides how many window tokens
@@ -40,6 +43,7 @@ from kvpress_phase.core.phase import WindowLayout, check_number
 from kvpress_phase.presses.base import _check_positions, _compress_after_prefill
 from kvpress_phase.presses.choice import spread_budget
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
+from kvpress_phase.presses.ragged_store import stored_ragged
 
 
 @dataclass
@@ -63,7 +67,7 @@ class BudgetPress(BasePress):
     across_layers: ClassVar[bool] = False
     """Whether the budget is spread across layers (compressing after the prefill)."""
     per_head: ClassVar[bool] = False
-    """Whether each KV head chooses its own tokens (the shorter heads' padding is masked)."""
+    """Whether each KV head chooses its own tokens (the shorter heads' padding is stored ragged, or masked)."""
 
     def __post_init__(self):
         name = type(self).__name__
@@ -107,13 +111,16 @@ class BudgetPress(BasePress):
 
     @contextlib.contextmanager
     def __call__(self, model):
-        """kvpress's context manager; a budget across layers compresses when the prefill has finished."""
-        if not self.plans_across_layers and not getattr(self.press.scorer, "needs_context", False):
-            with BasePress.__call__(self, model):
-                yield
-            return
-        with _compress_after_prefill(self, model):
-            yield
+        """kvpress's context manager; a budget across layers compresses when the prefill has finished. A per-head
+        budget then stores the padded layers ragged and switches the model to the ragged attention
+        (:func:`~kvpress_phase.presses.ragged_store.stored_ragged`)."""
+        with stored_ragged(self, model) if self.per_head else contextlib.nullcontext():
+            if not self.plans_across_layers and not getattr(self.press.scorer, "needs_context", False):
+                with BasePress.__call__(self, model):
+                    yield
+            else:
+                with _compress_after_prefill(self, model):
+                    yield
 
     # ------------------------------------------------------------------ the budget
     def plan(self, layers) -> None:
@@ -184,7 +191,8 @@ class BudgetPress(BasePress):
 @dataclass
 class HeadBudgetPress(BudgetPress):
     """Each layer's raw-token budget spread by score across its KV heads (each head its own tokens; the padding of
-    shorter heads is masked while decoding). ``floor=1.0``: every head its own best ``n_windows * k`` tokens."""
+    shorter heads is not stored: the layer is stored ragged, see the module docstring). ``floor=1.0``: every head its
+    own best ``n_windows * k`` tokens."""
 
     per_head: ClassVar[bool] = True
 
@@ -200,7 +208,7 @@ class LayerBudgetPress(BudgetPress):
 @dataclass
 class GlobalBudgetPress(BudgetPress):
     """One raw-token budget for the whole model, spread by score across layers and KV heads together (KVzip's shape;
-    a layer is stored at its longest head and the shorter heads' padding is masked while decoding)."""
+    each layer stored ragged, every KV head at its own length, see the module docstring)."""
 
     across_layers: ClassVar[bool] = True
     per_head: ClassVar[bool] = True

@@ -47,9 +47,10 @@ class LayerStats:
     """The per-window ratio achieved, ``1 - k / stride`` (see :func:`kvpress_phase.core.phase.kept_per_window`);
     ``achieved_ratio`` is over the whole cache, protected tokens included."""
     masked: Optional[tuple] = None
-    """``(head_indices, seq_indices)`` of the stored entries that only pad a KV head with a smaller budget than the
-    layer's longest (the per-head budgets of ``HeadBudgetPress`` and ``GlobalBudgetPress``), masked while decoding;
-    ``None`` when there are none. ``compressed_length`` counts them (they are stored); ``achieved_ratio`` does not
+    """``(head_indices, seq_indices)`` of the slots that only pad a KV head with a smaller budget than the layer's
+    longest (the per-head budgets of ``HeadBudgetPress`` and ``GlobalBudgetPress``), in the dense layout the press
+    returned; ``None`` when there are none. Masked while decoding, or not stored at all where the layer is stored
+    ragged (:attr:`ragged`). ``compressed_length`` counts them (the dense length); ``achieved_ratio`` does not
     (they are not attended)."""
     batch: Optional[int] = None
     """Sequences in the batch compressed (``None``: not recorded)."""
@@ -57,6 +58,10 @@ class LayerStats:
     """KV heads of the layer (``None``: not recorded)."""
     entry_bytes: Optional[int] = None
     """Bytes one entry of one KV head takes in the cache, its key and its value (``None``: not recorded)."""
+    ragged: bool = False
+    """Whether the layer's cache was stored ragged (:class:`~kvpress_phase.ragged.RaggedLayer`: each KV head its own
+    entries, the padding in :attr:`masked` not stored), as the per-head budget wrappers store it when used as a
+    context manager (:mod:`kvpress_phase.presses.ragged_store`)."""
 
     @property
     def phases(self) -> Optional[torch.Tensor]:
@@ -79,14 +84,24 @@ class LayerStats:
 
     @property
     def entries_stored(self) -> Optional[int]:
-        """Entries the layer's cache stores, over every row, masked padding included."""
-        return None if self.rows is None else self.rows * self.compressed_length
+        """Entries the layer's cache stores, over every row: masked padding included, unless the layer is stored
+        ragged (then the padding is not stored)."""
+        if self.rows is None:
+            return None
+        return self.rows * self.compressed_length - (self.masked_entries if self.ragged else 0)
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the index a ragged layer keeps (two int32 per KV head: each head's start and length); 0 for a
+        dense layer."""
+        return 8 * (self.rows or 0) if self.ragged else 0
 
     @property
     def entries_attended(self) -> Optional[int]:
         """Entries decoding attends to, over every row: those stored but the masked padding."""
-        stored = self.entries_stored
-        return None if stored is None else stored - self.masked_entries
+        if self.rows is None:
+            return None
+        return self.rows * self.compressed_length - self.masked_entries
 
     def as_dict(self) -> dict:
         """The record as a plain dict: its numbers and entry counts (``None`` where not recorded), the kept
@@ -96,7 +111,7 @@ class LayerStats:
             "achieved_ratio": self.achieved_ratio, "requested_ratio": self.requested_ratio,
             "window_ratio": self.window_ratio, "batch": self.batch, "heads": self.heads,
             "entry_bytes": self.entry_bytes, "entries_stored": self.entries_stored,
-            "entries_attended": self.entries_attended, "masked_entries": self.masked_entries,
+            "entries_attended": self.entries_attended, "masked_entries": self.masked_entries, "ragged": self.ragged,
             "positions": None if self.positions is None else self.positions.tolist(),
         }
 
@@ -127,7 +142,8 @@ class CacheSummary:
     entries_attended: int
     """Entries decoding attends to (stored, less the masked padding)."""
     bytes_stored: int
-    """Bytes of the keys and values stored (masked padding included): what the cache's tensors hold."""
+    """Bytes the cache's tensors hold after the prefill: keys and values stored (masked padding included where it is
+    masked, not where a layer is stored ragged) and the index of every ragged layer (two int32 per KV head)."""
     bytes_attended: int
     """Bytes of the keys and values decoding attends to (masked padding not counted)."""
     bytes_before: int
@@ -177,7 +193,7 @@ def cache_summary(press) -> CacheSummary:
         totals["before"] += s.rows * s.seq_len
         totals["stored"] += s.entries_stored
         totals["attended"] += s.entries_attended
-        totals["bytes_stored"] += s.entries_stored * s.entry_bytes
+        totals["bytes_stored"] += s.entries_stored * s.entry_bytes + s.index_bytes
         totals["bytes_attended"] += s.entries_attended * s.entry_bytes
         totals["bytes_before"] += s.rows * s.seq_len * s.entry_bytes
     return CacheSummary(len(stats), totals["before"], totals["stored"], totals["attended"], totals["bytes_stored"],

@@ -12,6 +12,7 @@ from tiny_models import tiny_model
 from kvpress_phase import (GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress, PerLayerWindowedPress,
                            PhaseAwarePress, WindowedDecodingPress)
 from kvpress_phase.evaluation.presses import build_press, parse_press_spec
+from kvpress_phase.ragged import ATTENTION_NAME, RaggedLayer
 from kvpress_phase.evaluation.replay import ReplayEngine
 from kvpress_phase.evaluation.tasks import generate
 from kvpress_phase.evaluation.tokenizer import build_tokenizer
@@ -142,21 +143,24 @@ def test_a_full_floor_is_the_even_budget(tokenizer):
 
 
 @pytest.mark.parametrize("wrapper", [HeadBudgetPress, GlobalBudgetPress])
-def test_head_budgets_mask_the_padding_of_shorter_heads(tokenizer, wrapper):
+def test_head_budgets_store_each_head_without_the_padding_of_shorter_heads(tokenizer, wrapper):
     press = wrapper(PhaseAwarePress(0.75))
     model, cache, answer, n, even = _run(press, tokenizer)
     attended = 0
+    assert model.config._attn_implementation == ATTENTION_NAME
     for i, layer in enumerate(model.model.layers):
-        stored = cache.layers[i].keys.shape[2]
+        stored = cache.layers[i].keys.shape[2]  # the dense length the press returned (its longest head)
         masked = press.stats[i].masked
-        found = layer.self_attn.masked_key_indices
+        assert getattr(layer.self_attn, "masked_key_indices", None) is None
         n_masked = 0 if masked is None else masked[0].numel()
         if masked is not None:
-            assert torch.equal(found[1], masked[0]) and torch.equal(found[2], masked[1])
-            # a head's padding is at the end of its entries
+            assert isinstance(cache.layers[i], RaggedLayer) and press.stats[i].ragged
             for h in range(2):
                 seqs = masked[1][masked[0] == h]
+                # a head's padding is at the end of its entries, and not stored
                 assert seqs.tolist() == list(range(stored - seqs.numel(), stored))
+                assert cache.layers[i].head_lengths[h] == stored - seqs.numel()
+            assert press.stats[i].entries_stored == cache.layers[i].entries
         attended += 2 * stored - n_masked
     assert attended == 4 * 2 * even  # the same number of attended entries over the model and heads
     if wrapper is HeadBudgetPress:

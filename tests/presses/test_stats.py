@@ -1,6 +1,7 @@
 """What a press records (``press.stats``: :class:`LayerStats`) and the whole cache's summary (:func:`cache_summary`)
-equal what the cache holds after a prefill on the built-in model: entries and bytes read from its tensors, masked
-padding read from the attention modules."""
+equal what the cache holds after a prefill on the built-in model: entries and bytes read from its tensors (a ragged
+layer's buffers and index, where a per-head budget stored its layers ragged), masked padding read from the attention
+modules."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers import DynamicCache
 from kvpress_phase import (CacheSummary, ChunkedStridePress, GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress,
                            LayerStats, PhaseAwarePress, cache_summary, load_builtin_model)
 from kvpress_phase.evaluation.tasks import generate
+from kvpress_phase.ragged import RaggedLayer, cache_nbytes
 
 
 @pytest.fixture(scope="module")
@@ -68,32 +70,44 @@ def test_the_summary_is_what_the_cache_holds(built_in, input_ids, name, dtype):
     finally:
         model.to(torch.float32)
     n = input_ids.shape[1]
-    layers = [(cache.layers[i].keys, cache.layers[i].values) for i in range(len(cache.layers))]
-    stored = sum(k.shape[0] * k.shape[1] * k.shape[2] for k, _ in layers)
-    stored_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
-    entry_bytes = {k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size() for k, v in layers}
+    ragged = [isinstance(layer, RaggedLayer) for layer in cache.layers]
+    # a ragged layer (the per-head budgets' padding not stored) holds its entries; a dense one, its tensors' slots
+    stored_per_layer = [layer.entries if r else layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
+                        for layer, r in zip(cache.layers, ragged)]
+    stored = sum(stored_per_layer)
+    stored_bytes = cache_nbytes(cache)
+    index_bytes = sum(layer.starts.nbytes + layer.lengths.nbytes for layer, r in zip(cache.layers, ragged) if r)
+    buffers = [(layer.key_buffer, layer.value_buffer) if r else (layer.keys, layer.values)
+               for layer, r in zip(cache.layers, ragged)]
+    entry_bytes = {k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size() for k, v in buffers}
     (entry,) = entry_bytes
-    before = sum(k.shape[0] * k.shape[1] * n for k, _ in layers)
+    before = sum(layer.keys.shape[0] * layer.keys.shape[1] * n for layer in cache.layers)
 
     summary = cache_summary(press)
-    assert isinstance(summary, CacheSummary) and summary.layers == len(layers) == len(press.stats)
+    assert isinstance(summary, CacheSummary) and summary.layers == len(cache.layers) == len(press.stats)
     assert summary.entries_before == before
     assert summary.entries_stored == stored
     assert summary.entries_masked == sum(masked)
     assert summary.entries_attended == stored - sum(masked)
     assert summary.bytes_stored == stored_bytes
-    assert summary.bytes_attended == stored_bytes - sum(masked) * entry
+    assert summary.bytes_attended == stored_bytes - index_bytes - sum(masked) * entry
     assert summary.bytes_before == before * entry
     assert summary.achieved_ratio == pytest.approx(1 - (stored - sum(masked)) / before)
     assert summary.stored_ratio == pytest.approx(1 - stored_bytes / (before * entry))
-    if name in ("head_budget", "global_budget"):
-        assert sum(masked) > 0 and summary.bytes_attended < summary.bytes_stored  # padding: stored, not attended
+    if name in ("head_budget", "global_budget"):  # the padding of shorter heads is not stored: nothing masked
+        assert any(ragged) and sum(masked) == 0 and summary.bytes_attended == summary.bytes_stored - index_bytes
+        padded = sum(layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers) * entry
+        assert summary.bytes_stored < padded
+    else:
+        assert not any(ragged)
     if name == "no_compression":
         assert summary.achieved_ratio == 0.0 and summary.bytes_stored == summary.bytes_before
     # per layer: the record's counts are the layer's tensors
-    for i, (k, _) in enumerate(layers):
+    for i, layer in enumerate(cache.layers):
         record = press.stats[i]
-        assert record.entries_stored == k.shape[0] * k.shape[1] * k.shape[2] and record.masked_entries == masked[i]
+        assert record.ragged == ragged[i]
+        assert record.entries_stored == stored_per_layer[i]
+        assert record.entries_attended == stored_per_layer[i] - masked[i]
         assert record.achieved_ratio == pytest.approx(1 - record.entries_attended / (record.rows * record.seq_len))
     assert cache_summary(press.stats) == summary  # the stats dict alone gives the same figures
 

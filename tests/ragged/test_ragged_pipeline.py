@@ -1,0 +1,84 @@
+"""Per-head budgets through kvpress's pipeline store their layers ragged and answer as masked decoding does.
+
+The masked answers come from the evaluation's replay engine, which calls ``press.compress`` directly and decodes with
+the padding masked; the pipeline uses the press as a context manager, which stores the padded layers ragged
+(:mod:`kvpress_phase.presses.ragged_store`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+
+from kvpress_phase import GlobalBudgetPress, HeadBudgetPress, PhaseAwarePress, cache_summary, load_builtin_model
+from kvpress_phase.evaluation.replay import ReplayEngine
+from kvpress_phase.evaluation.tasks import generate
+from kvpress_phase.ragged import ATTENTION_NAME, RaggedCache, RaggedLayer, cache_nbytes
+
+WRAPPERS = {"global": GlobalBudgetPress, "heads": HeadBudgetPress}
+
+
+@pytest.fixture(scope="module")
+def built_in():
+    model, tokenizer = load_builtin_model()
+    rows = generate("niah_single", tokenizer, n_samples=3, context_length=512, stride=8, phases=[1, 3, 6], seed=7)
+    return model, tokenizer, rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_pipeline_answers_equal_masked_answers_with_less_memory(built_in, wrapper):
+    model, tokenizer, rows = built_in
+    model.set_attn_implementation("sdpa")
+    engine = ReplayEngine(model, tokenizer, step_by_step=True)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    for row in rows:
+        encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+        state = engine.prefill(encoded["context_ids"])
+        masked_press = WRAPPERS[wrapper](PhaseAwarePress(0.75))
+        masked = engine.answer_many(state, [masked_press], encoded["questions_ids"][0], 8, batch_size=1)[0]
+        dense = engine.compressed_cache(state, WRAPPERS[wrapper](PhaseAwarePress(0.75)))
+        press, cache = WRAPPERS[wrapper](PhaseAwarePress(0.75)), DynamicCache()
+        answer = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"], press=press,
+                      max_new_tokens=8, cache=cache)["answer"]
+        assert answer == masked["prediction"]
+        assert model.config._attn_implementation == ATTENTION_NAME
+        assert any(isinstance(layer, RaggedLayer) for layer in cache.layers)
+        dense_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dense.layers)
+        assert cache_summary(press).bytes_stored < dense_bytes
+        assert cache_nbytes(cache) >= cache_summary(press).bytes_stored  # plus the slack decoding added
+    model.set_attn_implementation("sdpa")
+
+
+def test_a_ragged_cache_given_to_the_pipeline_is_refused(built_in):
+    model, tokenizer, rows = built_in
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    with pytest.raises(ValueError, match="DynamicCache"):
+        pipe(rows[0]["context"], question=rows[0]["question"], press=HeadBudgetPress(PhaseAwarePress(0.5)),
+             max_new_tokens=2, cache=RaggedCache())
+    model.set_attn_implementation("sdpa")
+
+
+def test_attention_other_than_sdpa_is_refused(built_in):
+    model, tokenizer, _ = built_in
+    model.set_attn_implementation("eager")
+    try:
+        with pytest.raises(ValueError, match="sdpa"):
+            with GlobalBudgetPress(PhaseAwarePress(0.5))(model):
+                pass
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_kvpress_own_per_head_press_stays_masked(built_in):
+    from kvpress import AdaKVPress, KeyDiffPress
+
+    model, tokenizer, rows = built_in
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache()
+    with torch.no_grad(), AdaKVPress(KeyDiffPress(0.5))(model):
+        model.model(tokenizer(rows[0]["context"], return_tensors="pt").input_ids, past_key_values=cache)
+    assert not any(isinstance(layer, RaggedLayer) for layer in cache.layers)
+    assert model.config._attn_implementation == "sdpa"
+    for layer in model.model.layers:
+        layer.self_attn.masked_key_indices = None
