@@ -4,7 +4,10 @@ The cost rule of docs/preregistration-budgets.md: every layer of one context com
 a budget across layers the plan over every layer's scores; for KVzip its reconstruction passes and masks), timed
 against the prefill of the same context on the same model, each the median of ``--repeats`` runs. The cache's
 bytes are the stored keys and values of every layer (masked entries are stored and count); the attended entries
-exclude them. Nothing is shared between timed runs (every run scores from scratch).
+exclude them. "ragged MiB" is what the same cache holds stored ragged (:mod:`kvpress_phase.ragged`: every layer with
+masked entries as a RaggedLayer of its unmasked entries, index included), what ``HeadBudgetPress`` and
+``GlobalBudgetPress`` store through kvpress's pipeline; for kvpress's masking presses it is what they would store.
+Nothing is shared between timed runs (every run scores from scratch).
 
     python benchmarks/bench_compress_cost.py --model smollm2 --context-length 1024 --compression-ratio 0.75 \
         --presses chunked_stride,phase_aware,phase_aware:allocate=layers,kvzip,keydiff
@@ -62,8 +65,9 @@ def main(argv=None) -> int:
     lines = [f"`{' '.join(sys.argv)}`, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
              f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}, {args.model}, "
              f"{n} tokens: prefill {prefill_s * 1000:.0f} ms (median of {args.repeats})", "",
-             "| press | compress step (ms) | in prefills | cache MiB | attended entries per layer and head |",
-             "|---|---|---|---|---|"]
+             "| press | compress step (ms) | in prefills | cache MiB | ragged MiB "
+             "| attended entries per layer and head |",
+             "|---|---|---|---|---|---|"]
     for spec in specs:
         def run():
             state.memo.clear()  # no scores reused between runs
@@ -76,14 +80,32 @@ def main(argv=None) -> int:
         slots = sum(layer.keys.shape[0] * layer.keys.shape[1] for layer in cache.layers)
         entries = sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in cache.layers)
         entries -= sum(int(h.numel()) for h, _ in (masks or {}).values())
+        ragged = ragged_bytes(cache, masks)
         lines.append(f"| `{spec.label}` | {seconds * 1000:.1f} | {seconds / prefill_s:.3f} | {stored / 2**20:.2f} | "
-                     f"{entries / slots:.1f} |")
+                     f"{ragged / 2**20:.2f} | {entries / slots:.1f} |")
     text = "\n".join(lines)
     print(text)
     if args.output:
         with open(args.output, "a") as f:
             f.write(text + "\n\n")
     return 0
+
+
+def ragged_bytes(cache, masks) -> int:
+    """Bytes of ``cache`` (batch 1) with every layer that ``masks`` names (``{layer: (heads, positions)}``) stored as
+    a RaggedLayer of its unmasked entries, its index included; the other layers as they are."""
+    from kvpress_phase.ragged import RaggedLayer
+
+    total = 0
+    for idx, layer in enumerate(cache.layers):
+        if idx not in (masks or {}):
+            total += layer.keys.nbytes + layer.values.nbytes
+            continue
+        heads, positions = masks[idx]
+        masked = torch.zeros(layer.keys.shape[1:3], dtype=torch.bool, device=layer.keys.device)
+        masked[heads.to(masked.device), positions.to(masked.device)] = True
+        total += RaggedLayer.from_dense(layer.keys, layer.values, masked=masked).nbytes
+    return total
 
 
 if __name__ == "__main__":
