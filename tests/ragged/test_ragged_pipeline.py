@@ -82,3 +82,42 @@ def test_kvpress_own_per_head_press_stays_masked(built_in):
     assert model.config._attn_implementation == "sdpa"
     for layer in model.model.layers:
         layer.self_attn.masked_key_indices = None
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_logits_of_ragged_decoding_equal_masked_decoding(built_in, wrapper):
+    """The same prefill under the press, left masked (kvpress's context manager alone) and stored ragged (the
+    press's own): the logits of a 3-token question and 4 greedy steps agree."""
+    model, tokenizer, rows = built_in
+    ids = tokenizer(tokenizer.bos_token + rows[0]["context"], return_tensors="pt", add_special_tokens=False).input_ids
+    question = tokenizer(" " + rows[0]["question"], return_tensors="pt", add_special_tokens=False).input_ids[:, :3]
+    n = ids.shape[1]
+    logits = {}
+    for how in ("masked", "ragged"):
+        model.set_attn_implementation("sdpa")
+        press, cache = WRAPPERS[wrapper](PhaseAwarePress(0.75)), DynamicCache()
+        context = press(model) if how == "ragged" else _without_ragged_store(press, model)
+        with torch.no_grad():
+            with context:
+                model.model(ids, past_key_values=cache)
+            assert any(isinstance(layer, RaggedLayer) for layer in cache.layers) == (how == "ragged")
+            out = model(question, past_key_values=cache, position_ids=torch.arange(n, n + 3)[None])
+            steps = [out.logits[0]]
+            for i in range(4):
+                out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache,
+                            position_ids=torch.tensor([[n + 3 + i]]))
+                steps.append(out.logits[0])
+        logits[how] = torch.cat(steps)
+        for layer in model.model.layers:
+            layer.self_attn.masked_key_indices = None
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(logits["ragged"], logits["masked"], rtol=1e-4, atol=1e-4)
+
+
+def _without_ragged_store(press, model):
+    """The press's compression as its context manager runs it, minus the ragged store: the padding stays masked."""
+    from kvpress import BasePress
+
+    from kvpress_phase.presses.base import _compress_after_prefill
+
+    return _compress_after_prefill(press, model) if press.plans_across_layers else BasePress.__call__(press, model)
