@@ -139,8 +139,9 @@ def ragged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                      lengths: torch.Tensor, scaling: Optional[float] = None, split: Optional[int] = None,
                      block: Optional[int] = None) -> torch.Tensor:
     """Triton version of :func:`.naive_ragged.ragged_attention` (same arguments and result). ``split`` (entries per
-    split) and ``block`` (entries per inner block) default to sizes that give a few hundred programs for long heads;
-    the tests set them small so that one head spans several splits and blocks."""
+    split) defaults to what gives about four programs per multiprocessor of the GPU over every KV head (four splits
+    per head on the CPU), ``block`` (entries per inner block) to 64 on a GPU; the tests set both small so that one
+    head spans several splits and blocks."""
     q_heads, n_new, head_dim = query.shape
     kv_heads = starts.shape[0]
     group = q_heads // kv_heads
@@ -153,8 +154,12 @@ def ragged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     longest = int(lengths.max()) if kv_heads else 0
     bn = block or (16 if query.device.type == "cpu" else 64)
     bn = max(16, _pow2(bn))
-    if split is None:  # about 4 splits of the longest head per KV head, at least one block each
-        split = max(bn, triton.cdiv(triton.cdiv(max(longest, 1), 4), bn) * bn)
+    if split is None:  # enough programs to fill the device (4 per multiprocessor), at least one block each
+        target = 4
+        if query.is_cuda:
+            sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+            target = max(1, 4 * sms // kv_heads)
+        split = max(bn, triton.cdiv(triton.cdiv(max(longest, 1), target), bn) * bn)
     split = max(bn, triton.cdiv(int(split), bn) * bn)
     n_splits = max(1, triton.cdiv(longest, split))
     bm = max(16, _pow2(rows))

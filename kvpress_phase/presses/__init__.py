@@ -10,7 +10,8 @@
 
 What they share (parameters, the compress step's frame) is in base.py; token choice by score in choice.py; scorers
 beyond kvpress's in scorers.py; what a press records (``press.stats``, :func:`cache_summary`) in stats.py; the
-attention patch for caches whose layers differ in length in uneven_layers.py.
+attention patch for caches whose layers differ in length in uneven_layers.py; the per-head budgets' layers stored
+ragged (:mod:`kvpress_phase.ragged`) in ragged_store.py.
 """
 
 from kvpress_phase.presses.base import WindowedPress

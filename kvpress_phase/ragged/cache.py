@@ -97,6 +97,9 @@ class RaggedView:
 class RaggedLayer(CacheLayerMixin):
     """One layer of a :class:`RaggedCache`: every KV head at its own length (layout in the module docstring).
 
+    Decoding writes new entries into the buffers in place (into a head's slack), so a shallow copy of the layer
+    shares what later steps write; ``copy.deepcopy`` gives an independent one.
+
     Parameters
     ----------
     growth : int, default 64
@@ -240,7 +243,7 @@ class RaggedLayer(CacheLayerMixin):
         rows = rows.flatten()
         self.key_buffer.index_copy_(0, rows, key_states[0].reshape(-1, key_states.shape[-1]).to(self.dtype))
         self.value_buffer.index_copy_(0, rows, value_states[0].reshape(-1, value_states.shape[-1]).to(self.dtype))
-        self.lengths += n
+        self.lengths = self.lengths + n  # a new tensor: the index of a view taken before stays as it was
         self._lengths = [length + n for length in self._lengths]
         self.appended += n
         return self.keys, self.values
@@ -271,7 +274,7 @@ class RaggedLayer(CacheLayerMixin):
         if drop > self.appended:
             raise ValueError(f"max_length must be >= {self.base_length} (the compressed length this layer was built "
                              f"from): only appended entries can be dropped from a ragged layer, got {max_length}")
-        self.lengths -= drop
+        self.lengths = self.lengths - drop
         self._lengths = [length - drop for length in self._lengths]
         self.appended -= drop
 
