@@ -121,3 +121,22 @@ def _without_ragged_store(press, model):
     from kvpress_phase.presses.base import _compress_after_prefill
 
     return _compress_after_prefill(press, model) if press.plans_across_layers else BasePress.__call__(press, model)
+
+
+def test_the_pipeline_leaves_the_compressed_context_after_its_answers(built_in):
+    """kvpress's pipeline removes each answer from the cache before the next question (``layer.keys[:, :, :n]``):
+    on ragged layers every head drops its appended entries and keeps exactly what compression kept."""
+    model, tokenizer, rows = built_in
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    press, cache = GlobalBudgetPress(PhaseAwarePress(0.75)), DynamicCache()
+    answers = pipe(rows[0]["context"], questions=[rows[0]["question"]] * 2, answer_prefix=rows[0]["answer_prefix"],
+                   press=press, max_new_tokens=6, cache=cache)["answers"]
+    assert answers[0] == answers[1]
+    for idx, layer in enumerate(cache.layers):
+        record = press.stats[idx]
+        assert layer.get_seq_length() == record.compressed_length
+        if isinstance(layer, RaggedLayer):
+            heads, positions = record.masked
+            padding = torch.bincount(heads, minlength=layer.num_heads)
+            assert layer.head_lengths == (record.compressed_length - padding).tolist()
+    model.set_attn_implementation("sdpa")
