@@ -8,8 +8,10 @@ is encoded with the same tokenizer and counted as cut when it is at least that l
 press: accuracy, the share of answers cut, accuracy among the cut ones, the share of answers that are both cut and
 wrong (``cut_wrong``: the most a longer budget could change; a cut answer that already holds its references loses
 nothing), for the list tasks (``vt``, multi-value and multi-query needles) the share cut while still right so far
-(``cut_open``, :func:`still_open`: what more tokens could still have made right), and the mean share of the
-reference answers the prediction contains.
+(``cut_open``, :func:`still_open`). A cut answer is scored on what it holds, so more tokens could have made any
+cut wrong answer right (``cut_wrong`` bounds what a longer budget changes from above); ``cut_open`` counts those
+that were right so far, the ones a longer budget most plausibly completes. The mean share of the reference answers
+the prediction contains closes the table.
 """
 
 from __future__ import annotations

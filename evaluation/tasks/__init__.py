@@ -131,10 +131,12 @@ TASKS: dict[str, TaskSpec] = {
                  "one needle; return its value"),
         TaskSpec("niah_multikey", "ruler", niah.build_multikey, niah.MULTIKEY_OPTIONS, 8, True,
                  "one needle among needles with other keys"),
-        TaskSpec("niah_multivalue", "ruler", niah.build_multivalue, niah.MULTIVALUE_OPTIONS, 24, True,
-                 "several values for one key; return all"),
-        TaskSpec("niah_multiquery", "ruler", niah.build_multiquery, niah.MULTIQUERY_OPTIONS, 24, True,
-                 "several keys asked at once; return all values"),
+        # revision 2 (2026-12-04) of the two list needles: RULER's budget for its needle tasks (tokens_to_generate 128)
+        # instead of 24 (raised to the completion + 2), which ended SmolLM2's "- key: value" lists (studies.answer_budget)
+        TaskSpec("niah_multivalue", "ruler", niah.build_multivalue, niah.MULTIVALUE_OPTIONS, 128, True,
+                 "several values for one key; return all", revision=2, earlier={1: {"max_new_tokens": 24}}),
+        TaskSpec("niah_multiquery", "ruler", niah.build_multiquery, niah.MULTIQUERY_OPTIONS, 128, True,
+                 "several keys asked at once; return all values", revision=2, earlier={1: {"max_new_tokens": 24}}),
         # revision 2 (2026-12-04): RULER's budget (tokens_to_generate 30) and an answer prefix that, like RULER's,
         # gives the count and ends with a colon; revision 1 gave 16 tokens after "... are", which cut most answers
         TaskSpec("vt", "ruler", vt.build, vt.OPTIONS, 30, True,

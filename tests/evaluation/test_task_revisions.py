@@ -35,6 +35,16 @@ def test_vt_revision_1_is_the_first_definition(word_tokenizer):
     assert generate("vt", word_tokenizer, revision=2, **kw).to_list() == new.to_list()
 
 
+def test_the_list_needles_have_rulers_budget_since_revision_2(word_tokenizer):
+    kw = dict(n_samples=1, context_length=300, stride=4, phases=[0], seed=3)
+    for task in ("niah_multivalue", "niah_multiquery"):
+        new, old = generate(task, word_tokenizer, **kw)[0], generate(task, word_tokenizer, revision=1, **kw)[0]
+        assert new["max_new_tokens"] == 128  # RULER's tokens_to_generate for its needle tasks
+        assert old["max_new_tokens"] == 24
+        assert {k: v for k, v in new.items() if k != "max_new_tokens"} == \
+            {k: v for k, v in old.items() if k != "max_new_tokens"}  # only the budget changed
+
+
 def test_unknown_revision_is_refused(word_tokenizer):
     with pytest.raises(ValueError, match="no revision 3; its revisions: 1, 2"):
         generate("vt", word_tokenizer, n_samples=1, context_length=300, stride=4, phases=[0], revision=3)
