@@ -17,7 +17,7 @@ runs on it before anything is written, and refuses (:class:`ConversionError`, a 
 * EOS differs from the token the chat template ends a turn with;
 * a text does not decode back to itself.
 
-The folder is written by the caller (:mod:`kvpress_phase.models`, which also caches it).
+The folder is written by the caller (:mod:`kvpress_phase.model_cache`, which also caches it).
 """
 
 from __future__ import annotations
