@@ -175,11 +175,13 @@ def ragged_attention(
     *,
     scaling: Optional[float] = None,
     backend: Optional[str] = None,
+    check_index: bool = True,
 ) -> torch.Tensor:
     """Attention of ``query`` (``(q_heads, n_new, head_dim)``) over each KV head's own entries of head-flattened
     ``keys``/``values`` (``(capacity, dim)``; head ``h`` owns rows ``starts[h] .. starts[h] + lengths[h] - 1``), causal
-    within the ``n_new`` newest entries. See :func:`.naive_ragged.ragged_attention` for the exact semantics."""
-    naive_ragged.check_ragged_arguments(query, keys, values, starts, lengths)
+    within the ``n_new`` newest entries. See :func:`.naive_ragged.ragged_attention` for the exact semantics;
+    ``check_index=False`` (a cache that keeps its index valid) skips reading the index to check it."""
+    naive_ragged.check_ragged_arguments(query, keys, values, starts, lengths, check_index=check_index)
     if resolve_backend(query, backend) == "triton":
         from . import triton_varlen_decode
 
@@ -187,4 +189,4 @@ def ragged_attention(
         if reason is None:
             return triton_varlen_decode.ragged_attention(query, keys, values, starts, lengths, scaling=scaling)
         _fallback(reason, _forced(backend))
-    return naive_ragged.ragged_attention(query, keys, values, starts, lengths, scaling=scaling)
+    return naive_ragged.ragged_attention(query, keys, values, starts, lengths, scaling=scaling, check_index=False)

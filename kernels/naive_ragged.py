@@ -29,8 +29,10 @@ __all__ = ["ragged_attention", "check_ragged_arguments"]
 
 
 def check_ragged_arguments(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
-                           lengths: torch.Tensor) -> None:
-    """ValueError naming the parameter for inputs no implementation accepts."""
+                           lengths: torch.Tensor, *, check_index: bool = True) -> None:
+    """ValueError naming the parameter for inputs no implementation accepts. ``check_index=False`` skips the checks
+    that read the index's values (three device reads), for a caller that keeps the index valid by construction
+    (:class:`kvpress_phase.ragged.RaggedLayer`); shapes and dtypes are always checked."""
     if query.dim() != 3:
         raise ValueError(f"query must be (q_heads, n_new, head_dim), got shape {tuple(query.shape)}")
     if keys.dim() != 2 or values.dim() != 2:
@@ -51,33 +53,39 @@ def check_ragged_arguments(query: torch.Tensor, keys: torch.Tensor, values: torc
     if query.dtype != keys.dtype or keys.dtype != values.dtype:
         raise ValueError(f"query, keys and values must share one dtype, got {query.dtype}, {keys.dtype}, "
                          f"{values.dtype}")
-    if kv_heads and (bool((lengths < 0).any()) or bool((starts < 0).any())
+    if check_index and kv_heads and (bool((lengths < 0).any()) or bool((starts < 0).any())
                      or int((starts + lengths).max()) > keys.shape[0]):
         raise ValueError(f"starts and lengths must describe rows inside the {keys.shape[0]}-row buffers")
 
 
 def ragged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
-                     lengths: torch.Tensor, scaling: Optional[float] = None) -> torch.Tensor:
+                     lengths: torch.Tensor, scaling: Optional[float] = None, *, check_index: bool = True) -> torch.Tensor:
     """Attention of ``query`` (``(q_heads, n_new, head_dim)``) over each KV head's own entries (module docstring).
 
     Returns ``(q_heads, n_new, value_dim)`` in the query's dtype. ``scaling`` defaults to ``head_dim ** -0.5``.
+    One SDPA call per non-empty KV head, on views of the buffers (nothing is copied or padded); with one new token
+    (a decoding step) the group's query heads are the call's query rows and no mask is built.
     """
-    check_ragged_arguments(query, keys, values, starts, lengths)
+    check_ragged_arguments(query, keys, values, starts, lengths, check_index=check_index)
     q_heads, n_new, head_dim = query.shape
     kv_heads = starts.shape[0]
     group = q_heads // kv_heads
     scale = head_dim ** -0.5 if scaling is None else float(scaling)
-    out = query.new_zeros(q_heads, n_new, values.shape[1])
+    out = query.new_empty(q_heads, n_new, values.shape[1])
     for h, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
-        visible = torch.arange(n_new, device=query.device) + (length - n_new + 1)  # entries each query sees
-        if length == 0 or int(visible.max()) <= 0:
+        rows = slice(h * group, (h + 1) * group)
+        first_seen = length - n_new + 1  # entries query 0 sees; query i sees i more
+        if length == 0 or first_seen + n_new - 1 <= 0:
+            out[rows] = 0
             continue
-        k = keys[start:start + length]
-        v = values[start:start + length]
+        k = keys[start:start + length][None, None]  # (1, 1, length, head_dim): a view
+        v = values[start:start + length][None, None]
+        if n_new == 1:  # every entry visible: the group's heads are the query rows
+            q = query[rows].reshape(1, 1, group, head_dim)
+            out[rows] = F.scaled_dot_product_attention(q, k, v, scale=scale).reshape(group, 1, -1)
+            continue
+        visible = torch.arange(n_new, device=query.device) + first_seen  # (n_new,) entries each query sees
         mask = torch.arange(length, device=query.device)[None, :] < visible[:, None]  # (n_new, length)
-        q = query[h * group:(h + 1) * group]
-        o = F.scaled_dot_product_attention(q, k.expand(group, -1, -1), v.expand(group, -1, -1), attn_mask=mask,
-                                           scale=scale)
-        seen = (visible > 0)[None, :, None]
-        out[h * group:(h + 1) * group] = torch.where(seen, o, torch.zeros((), dtype=o.dtype, device=o.device))
+        o = F.scaled_dot_product_attention(query[rows][None], k, v, attn_mask=mask, scale=scale)[0]
+        out[rows] = torch.where((visible > 0)[None, :, None], o, torch.zeros((), dtype=o.dtype, device=o.device))
     return out

@@ -37,7 +37,7 @@ def ragged_attention_forward(module, query: torch.Tensor, key, value, attention_
     if scaling is None:
         scaling = getattr(module, "scaling", None)
     out = ragged_attention(query[0].to(key.dtype), key.buffer, value.buffer, key.starts, key.lengths,
-                           scaling=scaling)
+                           scaling=scaling, check_index=False)  # RaggedLayer keeps its index inside its buffers
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
 
 

@@ -239,12 +239,14 @@ class RaggedLayer(CacheLayerMixin):
         n = key_states.shape[2]
         if any(length + n > cap for length, cap in zip(self._lengths, self._capacity)):
             self._repack([length + n + self.growth for length in self._lengths])
-        rows = (self.starts + self.lengths).long()[:, None] + torch.arange(n, device=self.device)
-        rows = rows.flatten()
+        # rows and lengths from the host copies: one small host-to-device copy each, no device read
+        rows = torch.tensor([start + length + i for start, length in zip(self._starts, self._lengths) for i in range(n)],
+                            device=self.device)
         self.key_buffer.index_copy_(0, rows, key_states[0].reshape(-1, key_states.shape[-1]).to(self.dtype))
         self.value_buffer.index_copy_(0, rows, value_states[0].reshape(-1, value_states.shape[-1]).to(self.dtype))
-        self.lengths = self.lengths + n  # a new tensor: the index of a view taken before stays as it was
         self._lengths = [length + n for length in self._lengths]
+        # a new tensor: the index of a view taken before stays as it was
+        self.lengths = torch.tensor(self._lengths, dtype=INDEX_DTYPE, device=self.device)
         self.appended += n
         return self.keys, self.values
 
