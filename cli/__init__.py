@@ -9,7 +9,7 @@ Bad input exits with code 2 and a one-line message; `train --max-minutes` exits 
 (rerun the same command to resume).
 
 This package only composes the commands: ``eval``, ``audit``, ``report``, ``pack``, ``drop`` and ``list`` are
-evaluation's (:mod:`kvpress_phase.evaluation.cli`), ``train`` and ``train-scorer`` are training's
+evaluation's (:mod:`kvpress_phase.evaluation.cli`), ``train``, ``train-scorer`` and ``calibrate-scorer`` are training's
 (:mod:`kvpress_phase.training.cli`, :mod:`kvpress_phase.training.scorer_cli`). Nothing in the package imports it, so that evaluation stays below training (``tests/test_import_layers.py``).
 """
 
@@ -33,6 +33,7 @@ EXAMPLES = """examples:
   kvpress-phase list      task, press and model names the flags accept
   kvpress-phase train --recipe chunked --output-dir outputs/models/chunked
   kvpress-phase train-scorer --model smollm2 --output-dir outputs/scorers/smollm2
+  kvpress-phase calibrate-scorer --model smollm2   the scorer's score quantiles (thresholds.json)
 
 Run kvpress-phase COMMAND --help for the options of a command. Bad input exits with code 2 and a one-line
 message; train --max-minutes exits with code 3 when it pauses (rerun the same command to resume)."""
@@ -45,12 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(prog="kvpress-phase", description=DESCRIPTION, epilog=EXAMPLES,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = list(evaluation_cli.COMMANDS) + ["train", "train-scorer"]  # evaluation's commands, then training's
+    commands = list(evaluation_cli.COMMANDS) + ["train", "train-scorer", "calibrate-scorer"]  # evaluation's commands, then training's
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(commands) + "}", parser_class=Parser)
     sub.required = True
     evaluation_cli.add_commands(sub)
     training_cli.add_command(sub)
     scorer_cli.add_command(sub)
+    scorer_cli.add_calibrate_command(sub)
     return parser
 
 
@@ -66,6 +68,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from kvpress_phase.training import scorer_cli
 
             return scorer_cli.run_command(args, argv)
+        if args.command == "calibrate-scorer":
+            from kvpress_phase.training import scorer_cli
+
+            return scorer_cli.run_calibrate(args, argv)
         return evaluation_cli.run_command(args)
 
     return run_command_line(build_parser(), run, argv)

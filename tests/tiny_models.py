@@ -157,3 +157,25 @@ def write_tiny_gguf(path: str, *, seed: int = 0, pre: str = "smollm", eos_id: in
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+def tiny_scorer(model, path, *, layers=None, favour=None) -> str:
+    """A linear KVzap scorer written to the folder ``path`` for ``model``'s shape (``layers`` to get it wrong); with
+    ``favour``, every score of that layer is 10 higher (a constant bias) and the others 10 lower. Returns the
+    folder."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    c = model.config
+    n = layers or c.num_hidden_layers
+    config = KVzapConfig(input_dim=c.hidden_size, output_dim=c.num_key_value_heads, n_modules=n,
+                         source_num_hidden_layers=n, source_hidden_size=c.hidden_size,
+                         source_num_key_value_heads=c.num_key_value_heads, source_model="tiny")
+    torch.manual_seed(0)
+    scorer = KVzapModel(config)
+    if favour is not None:
+        with torch.no_grad():
+            for i, layer in enumerate(scorer.layers):
+                layer.weight.mul_(0.01)
+                layer.bias.fill_(10.0 if i == favour else -10.0)
+    scorer.save_pretrained(path)
+    return str(path)

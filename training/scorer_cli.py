@@ -135,4 +135,76 @@ def run_command(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) 
     return 0
 
 
-__all__ = ["add_arguments", "add_command", "run_command", "settings_from_args"]
+CALIBRATE_DESCRIPTION = """\
+Write a KVzap scorer's score quantiles on calibration text (thresholds.json beside its weights): the quantiles of
+every score it gives (every layer, KV head and position pooled) on its validation passages (the scorer's text, as
+train-scorer chooses them) and on contexts of the evaluation's generators. ThresholdBudgetPress and the dms_kvzap
+baseline read them to turn a compression ratio into one score threshold for the whole model."""
+CALIBRATE_EXAMPLES = """\
+examples:
+  kvpress-phase calibrate-scorer --model smollm2          the shipped scorer's thresholds.json
+  kvpress-phase calibrate-scorer --model path/to/model --scorer outputs/scorers/mine/linear
+
+Bad input exits with code 2 and a one-line message."""
+
+
+def add_calibrate_command(sub) -> argparse.ArgumentParser:
+    """Add ``calibrate-scorer`` to ``sub``; its parser."""
+    parser = sub.add_parser("calibrate-scorer", help="a KVzap scorer's score quantiles (thresholds.json)",
+                            description=CALIBRATE_DESCRIPTION, epilog=CALIBRATE_EXAMPLES,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model name (as train-scorer takes it)")
+    parser.add_argument("--scorer", default=None, help="scorer folder (default: the one shipped for the model)")
+    parser.add_argument("--output", default=None, help="where to write (default: SCORER/thresholds.json)")
+    parser.add_argument("--passages", type=int_at_least(0, "--passages"), default=10,
+                        help="validation passages of the scorer's text (default: 10)")
+    parser.add_argument("--passage-tokens", type=int_at_least(16, "--passage-tokens"), default=700,
+                        help="prefill tokens per passage (default: 700)")
+    parser.add_argument("--prompts", type=int_at_least(0, "--prompts"), default=4,
+                        help="contexts of the evaluation's generators (default: 4)")
+    parser.add_argument("--prompt-length", type=int_at_least(16, "--prompt-length"), default=1024,
+                        help="prefill tokens per generator context (default: 1024)")
+    parser.add_argument("--prompt-seed", type=int_at_least(0, "--prompt-seed"), default=0,
+                        help="seed of the generator contexts (default: 0, the scorer card's)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
+    parser.add_argument("--threads", type=threads, default=None, help="torch's intra-op CPU threads")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    return parser
+
+
+def run_calibrate(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``kvpress-phase calibrate-scorer``: 0 when the file is written; bad input is a UsageError."""
+    from kvpress_phase.evaluation.arguments import resolve_device, torch_threads
+    from kvpress_phase.presses.learned_scorer import LocalKVzapPress
+
+    from .scorer import load_model
+    from .scorer_threshold import calibrate, calibration_items, write
+
+    command = "kvpress-phase " + " ".join(argv if argv is not None else sys.argv[1:])
+    progress = not args.no_progress
+    with torch_threads(args.threads):
+        try:
+            if args.scorer is not None and not os.path.isdir(args.scorer):
+                raise ValueError(f"--scorer {args.scorer!r} is not a folder")
+            model, tokenizer, _ = load_model(args.model, resolve_device(args.device))
+            scorer = LocalKVzapPress(scorer_path=args.scorer)
+            scorer.post_init_from_model(model)
+            items = calibration_items(tokenizer, passages=args.passages, passage_tokens=args.passage_tokens,
+                                      prompts=args.prompts, prompt_length=args.prompt_length,
+                                      prompt_seed=args.prompt_seed, progress=progress)
+        except ValueError as exc:
+            raise UsageError(first_line(exc)) from None
+        table = calibrate(model, scorer, items, progress=progress)
+    settings = {k: getattr(args, k) for k in ("passages", "passage_tokens", "prompts", "prompt_length",
+                                              "prompt_seed")}
+    path = write(table, scorer.kvzap_model_name, model_name=args.model, settings=settings, command=command,
+                 output=args.output)
+    import numpy as np
+
+    q = np.interp([0.25, 0.5, 0.75], table["levels"], table["quantiles"])
+    print(f"{table['scores']} scores; median {q[1]:.3f}, quartiles {q[0]:.3f} / {q[2]:.3f}: {path}")
+    return 0
+
+
+__all__ = ["add_arguments", "add_calibrate_command", "add_command", "run_calibrate", "run_command",
+           "settings_from_args"]
