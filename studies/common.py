@@ -1,5 +1,7 @@
-"""What the study scripts share: reading runs (:func:`load`), number formats and the paired comparison to one press
-(:func:`paired`, :func:`paired_markdown`). The study scripts import this; it imports none of them."""
+"""What the study scripts share: reading runs (:func:`load`), the kvpress baselines a cell's best baseline is chosen
+among (:func:`kvpress_baselines`, :func:`baseline_labels`), number formats and the paired comparison to one press
+(:func:`paired`, :func:`paired_markdown`, :func:`paired_pooled`). The study scripts import this; it imports none of
+them."""
 
 from __future__ import annotations
 
@@ -7,12 +9,43 @@ import json
 import math
 import os
 import sys
+from typing import Optional
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
+from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec
 from kvpress_phase.evaluation.store import read_runs
+
+ALL_BASELINES = "all"
+"""``--baselines`` value (the default) that means every registered kvpress baseline."""
+
+
+def kvpress_baselines() -> list[str]:
+    """Every registered kvpress baseline, in the registry's order: the entries of
+    :data:`~kvpress_phase.evaluation.presses.REGISTRY` marked ``matched`` (kvpress's own presses, which
+    ``--matched-cache`` runs at ``ChunkedStridePress``'s cache length). "The best baseline" of a cell is chosen among
+    these unless a study is told to restrict them."""
+    return [name for name, entry in REGISTRY.items() if getattr(entry, "matched", False)]
+
+
+def baseline_labels(spec: Optional[str] = ALL_BASELINES) -> list[str]:
+    """The press labels ``--baselines`` names: every registered kvpress baseline for ``"all"`` (or None), otherwise
+    the comma-separated specs as the results name them (``adakv:scorer=kvzap`` included). ValueError for a spec
+    that is not a kvpress baseline (ours, ``no_press``, an unknown name)."""
+    if spec is None or spec.strip() == ALL_BASELINES:
+        return kvpress_baselines()
+    registered, labels = set(kvpress_baselines()), []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        parsed = parse_press_spec(item)
+        if parsed.name not in registered:
+            raise ValueError(f"--baselines: {item!r} is not a kvpress baseline (registered: "
+                             f"{', '.join(kvpress_baselines())})")
+        labels.append(parsed.label)
+    return labels
 
 
 def load(runs: list[str]) -> pd.DataFrame:
@@ -67,24 +100,51 @@ def paired(records: pd.DataFrame, against: str, by: tuple = ("setting", "compres
 
 
 def paired_pooled(records: pd.DataFrame, press: str, against: str,
-                  unit: tuple = ("task", "sample_id")) -> dict:
+                  unit: tuple = ("task", "sample_id"), equal_cells: bool = False) -> dict:
     """``press`` minus ``against`` pooled over every compressed answer of the runs, one value per text: a ``unit``
     (task and sample; the runs of one seed draw the same text for a sample in every setting and length) is its mean
     difference over the settings, lengths, ratios, strides and phases both presses answered, and the 95% t interval
     is over those units. Pooling by text rather than by cell keeps the answers of one text (correlated across its
-    ratios, settings and lengths) from counting as independent. ValueError when either press has no answers."""
+    ratios, settings and lengths) from counting as independent. ValueError when either press has no answers.
+
+    By default every answer weighs the same, so a cell weighs as many phases as its stride has (strides 5, 13 and
+    16 weigh 5:13:16). ``equal_cells``: a unit's difference is first averaged over the phases of each cell (setting,
+    length, ratio, stride) and then over its cells, so every cell weighs the same."""
     compressed = records[records.compression_ratio > 0]
     for name in (press, against):
         if name not in set(compressed.press):
             raise ValueError(f"no compressed answers of {name!r} in these runs")
-    keys = list(unit) + ["setting", "context_length", "compression_ratio", "stride", "phase"]
+    cell = ["setting", "context_length", "compression_ratio", "stride"]
+    keys = list(unit) + cell + ["phase"]
     scores = compressed[compressed.press.isin([press, against])].groupby(keys + ["press"])["score"].mean()
     both = scores.unstack("press").dropna()
-    per_unit = (both[press] - both[against]).groupby(level=list(unit)).mean()
+    diff = both[press] - both[against]
+    if equal_cells:
+        diff = diff.groupby(level=list(unit) + cell).mean()
+    per_unit = diff.groupby(level=list(unit)).mean()
     n = len(per_unit)
     half = stats.t.ppf(0.975, n - 1) * per_unit.std(ddof=1) / np.sqrt(n) if n > 1 else float("nan")
     return {"press": press, "against": against, "n": n, "answers": len(both), "diff": per_unit.mean(),
             "low": per_unit.mean() - half, "high": per_unit.mean() + half}
+
+
+def pooled_by_ratio(records: pd.DataFrame, press: str, against: str) -> pd.DataFrame:
+    """``press`` minus ``against`` per compression ratio, pooled over the settings, lengths, tasks and strides of
+    the runs, both ways (:func:`paired_pooled`, one value per text): every answer weighing the same (``diff``,
+    ``low``, ``high``) and every cell weighing the same (``equal``, ``equal_low``, ``equal_high``); ``cells``: the
+    cells (setting, task, length, stride) both presses answered at that ratio."""
+    compressed = records[(records.compression_ratio > 0) & records.press.isin([press, against])]
+    rows = []
+    for ratio, part in compressed.groupby("compression_ratio"):
+        if set(part.press) != {press, against}:
+            continue
+        pooled = paired_pooled(part, press, against)
+        equal = paired_pooled(part, press, against, equal_cells=True)
+        cells = part.groupby(["setting", "task", "context_length", "stride"])["press"].nunique()
+        rows.append({"ratio": ratio, "cells": int((cells == 2).sum()), "n": pooled["n"], "diff": pooled["diff"],
+                     "low": pooled["low"], "high": pooled["high"], "equal": equal["diff"],
+                     "equal_low": equal["low"], "equal_high": equal["high"]})
+    return pd.DataFrame(rows)
 
 
 def paired_markdown(table: pd.DataFrame, against: str) -> str:

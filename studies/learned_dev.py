@@ -7,8 +7,10 @@ Reads the dev round's ``kvpress-phase eval`` directories (one stride each; a dev
 pooling the strides) and prints Markdown:
 
 1. every press's accuracy per dev cell and its mean over the 12 cells (``no_press`` per setting and task);
-2. every press paired by sample with the best kvpress baseline of each cell (chosen after the fact among
-   ``kvzip_plus``, ``adakv``, ``kvzap``, ``keydiff``): per setting and ratio, pooled over tasks and strides, the mean
+2. every press paired by sample with the best kvpress baseline of each cell (chosen after the fact among every
+   registered kvpress baseline the runs answered, :func:`~.common.kvpress_baselines`; the dev round ran
+   ``kvzip_plus``, ``adakv``, ``kvzap`` and ``keydiff``; ``--baselines`` restricts them): per setting and ratio,
+   pooled over tasks and strides, the mean
    of (the press's mean over a sample's phases - the baseline's) with a 95% t interval; and the count of cells within
    0.03 of the best baseline;
 3. the decision rule in its order: flat (the phase tests of a candidate's 24 (cell, stride) pairs, Holm-adjusted at
@@ -30,13 +32,17 @@ from scipy import stats
 from kvpress_phase.evaluation.metrics import holm
 from kvpress_phase.evaluation.presses import parse_press_spec
 
-from studies.common import fmt_number, fmt_p, load, read_summaries
+from studies.common import (ALL_BASELINES, baseline_labels, fmt_number, fmt_p, kvpress_baselines, load,
+                            read_summaries)
 
 REFERENCE = "phase_aware"
 DENSE = "phase_aware:scorer=kvzap:allocate=layers"
 MASKING = ("phase_aware:scorer=kvzap:allocate=layers_heads:share_heads=False",
            "phase_aware:scorer=kvzap:allocate=heads:share_heads=False")
-BASELINES = ("kvzip_plus", "adakv", "kvzap", "keydiff")
+PREREGISTERED = ("kvzip_plus", "adakv", "kvzap", "keydiff")
+"""The kvpress baselines the dev round ran; among equal means the best baseline is the first of them."""
+BASELINES = tuple(PREREGISTERED) + tuple(b for b in kvpress_baselines() if b not in PREREGISTERED)
+"""Every registered kvpress baseline, the dev round's first (the order that breaks ties)."""
 CELL = ["setting", "task", "compression_ratio"]
 MARGIN, TIE, ALPHA, COST_CAP, NEAR = 0.05, 0.02, 0.05, 0.1, 0.03
 
@@ -58,20 +64,21 @@ def per_sample(records: pd.DataFrame) -> pd.DataFrame:
         .mean().unstack("press")
 
 
-def best_baselines(means: pd.DataFrame) -> pd.Series:
-    """The best kvpress baseline of every compressed cell, chosen after the fact (ties: the first of BASELINES)."""
-    base = means[means.press.isin(BASELINES) & (means.compression_ratio > 0)].copy()
-    base["order"] = base.press.map(BASELINES.index)
+def best_baselines(means: pd.DataFrame, baselines: tuple = BASELINES) -> pd.Series:
+    """The best kvpress baseline of every compressed cell among ``baselines`` (default: every registered one),
+    chosen after the fact (ties: the first of ``baselines``)."""
+    base = means[means.press.isin(baselines) & (means.compression_ratio > 0)].copy()
+    base["order"] = base.press.map(list(baselines).index)
     base = base.sort_values(CELL + ["mean", "order"], ascending=[True, True, True, False, True])
     return base.groupby(CELL).first()["press"]
 
 
-def paired_with_best(records: pd.DataFrame, means: pd.DataFrame) -> pd.DataFrame:
-    best = best_baselines(means)
+def paired_with_best(records: pd.DataFrame, means: pd.DataFrame, baselines: tuple = BASELINES) -> pd.DataFrame:
+    best = best_baselines(means, baselines)
     samples = per_sample(records)
     rows = []
     for press in samples.columns:
-        if press in BASELINES:
+        if press in baselines:
             continue
         parts = []
         for (setting, task, ratio), baseline in best.items():
@@ -87,8 +94,8 @@ def paired_with_best(records: pd.DataFrame, means: pd.DataFrame) -> pd.DataFrame
     return pd.DataFrame(rows)
 
 
-def accuracy_markdown(means: pd.DataFrame, tests: pd.DataFrame) -> str:
-    best = best_baselines(means)
+def accuracy_markdown(means: pd.DataFrame, tests: pd.DataFrame, baselines: tuple = BASELINES) -> str:
+    best = best_baselines(means, baselines)
     cells = means[means.compression_ratio > 0][["compression_ratio", "task"]].drop_duplicates()
     cells = cells.sort_values(["compression_ratio", "task"]).itertuples(index=False)
     cells = list(cells)
@@ -200,8 +207,13 @@ def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m studies.learned_dev", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="the dev round's kvpress-phase eval output directories")
     parser.add_argument("--cost", help="the Markdown output of benchmarks/bench_compress_cost.py --output")
+    parser.add_argument("--baselines", default=ALL_BASELINES,
+                        help="the kvpress baselines a cell's best baseline is chosen among: 'all' (default: every "
+                        "registered kvpress baseline) or a comma-separated list of them to restrict it")
     args = parser.parse_args(argv)
     try:
+        chosen = baseline_labels(args.baselines)
+        baselines = tuple(b for b in BASELINES if b in chosen) + tuple(b for b in chosen if b not in BASELINES)
         records = load(args.runs)
         tests = phase_tests(args.runs)
         costs = read_costs(args.cost)
@@ -210,9 +222,12 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     means = cell_means(records)
     print("### Accuracy per dev cell (strides pooled)\n")
-    print(accuracy_markdown(means, tests))
+    answered = [b for b in baselines if b in set(means.press)]
+    print(f"Best baseline of a cell: the best of {len(answered)} kvpress baselines answered in these runs "
+          f"({', '.join(answered)}; registered: {len(kvpress_baselines())}).\n")
+    print(accuracy_markdown(means, tests, baselines))
     print("\n### Paired with the best kvpress baseline of each cell\n")
-    print(paired_markdown(paired_with_best(records, means)))
+    print(paired_markdown(paired_with_best(records, means, baselines)))
     print("\n### The pre-registered decision\n")
     print(decide(means, tests, costs))
     return 0

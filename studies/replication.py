@@ -23,15 +23,14 @@ import numpy as np
 import pandas as pd
 
 from kvpress_phase.evaluation.metrics import holm, summarize
-from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec
+from kvpress_phase.evaluation.presses import parse_press_spec
 
-from studies.common import emit, fmt_p, load, paired, paired_pooled
+from studies.common import ALL_BASELINES, baseline_labels, emit, fmt_p, load, paired, paired_pooled
 from studies.targets import CELL, targets
 
 ALPHA = 0.05
 FLOOR_MEAN, FLOOR_NO_PRESS = 0.25, 0.5
 SAMPLES, AUDIT_CELLS = 16, 6  # the pre-registration's samples per phase, and the audit family's size
-BASELINES = "snapkv,knorm,streaming_llm,chunkkv,chunk,expected_attention,tova,keydiff,pyramidkv,kvzip"
 D = "phase_aware:scorer=kvzap:allocate=layers"
 G = "phase_aware:scorer=kvzap:allocate=layers_heads:share_heads=false"
 NOT_RUN = "not run"
@@ -143,12 +142,18 @@ def r1_claims(records: pd.DataFrame, baselines: list[str]) -> list[dict]:
 
 
 def interval(d: dict) -> str:
-    return f"{d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+    text = f"{d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]"
+    equal = d.get("equal")
+    return text if equal is None else (f"{text} (equal cell weights {equal['diff']:+.3f} [{equal['low']:+.3f}, "
+                                       f"{equal['high']:+.3f}])")
 
 
 def both_settings(results: pd.DataFrame, press: str, against: str) -> dict:
-    """``press`` minus ``against`` pooled over ratios, per setting (:func:`~studies.common.paired_pooled`)."""
-    return {s: paired_pooled(part, press, against) for s, part in results.groupby("setting")}
+    """``press`` minus ``against`` pooled over ratios, per setting (:func:`~studies.common.paired_pooled`): every
+    answer weighing the same (the pre-registered reading), with every cell weighing the same beside it
+    (``"equal"``)."""
+    return {s: {**paired_pooled(part, press, against), "equal": paired_pooled(part, press, against, equal_cells=True)}
+            for s, part in results.groupby("setting")}
 
 
 def comparison_claims(records: pd.DataFrame, results: pd.DataFrame, baselines: list[str]) -> list[dict]:
@@ -162,8 +167,12 @@ def comparison_claims(records: pd.DataFrame, results: pd.DataFrame, baselines: l
     kv = table[(table.press == "kvzip") & np.isclose(table.ratio, 0.75)]
     above = [r.low > 0 for r in kv.itertuples()]
     c2 = "replicated" if above and all(above) else ("not replicated" if above and not any(above) else "split")
+    high = results[np.isclose(results.compression_ratio, 0.75)]
+    equal = {s: paired_pooled(part, "kvzip", "phase_aware", equal_cells=True) for s, part in high.groupby("setting")
+             if {"kvzip", "phase_aware"} <= set(part.press)}
     out.append({"claim": "C2", "verdict": c2, "evidence": "; ".join(
-        f"{r.setting}: kvzip - phase_aware {interval(r._asdict())}" for r in kv.itertuples())})
+        f"{r.setting}: kvzip - phase_aware {interval({**r._asdict(), 'equal': equal.get(r.setting)})}"
+        for r in kv.itertuples())})
     c3 = both_settings(results, "phase_aware", "keydiff")
     out.append({"claim": "C3", "verdict": "replicated" if all(d["low"] > 0 for d in c3.values()) else "not replicated",
                 "evidence": "; ".join(f"{s}: phase_aware - keydiff {interval(d)}" for s, d in c3.items())})
@@ -251,7 +260,9 @@ def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--main", nargs="*", default=[], help="runs 1-2 (claims B and C)")
     parser.add_argument("--audit", nargs="*", default=[], help="run 3's directories (claims A)")
-    parser.add_argument("--baselines", default=BASELINES)
+    parser.add_argument("--baselines", default=ALL_BASELINES,
+                        help="the kvpress baselines a cell's best baseline is chosen among: 'all' (default: every "
+                        "registered kvpress baseline) or a comma-separated list of them to restrict it")
     parser.add_argument("--output", help="write the Markdown here as well as to stdout")
     parser.add_argument("--figure", help="draw chunked_stride's accuracy by phase on these runs (and --reference's) here")
     parser.add_argument("--reference", nargs="*", default=[],
@@ -260,8 +271,11 @@ def main(argv: Optional[list] = None) -> int:
     if not args.main and not args.audit:
         print("replication: error: give --main and/or --audit run directories", file=sys.stderr)
         return 2
-    baselines = [b for b in (label(x) for x in args.baselines.split(",") if x)
-                 if getattr(REGISTRY.get(b.split(":")[0]), "matched", False)]
+    try:
+        baselines = baseline_labels(args.baselines)
+    except ValueError as exc:
+        print(f"replication: error: {exc}", file=sys.stderr)
+        return 2
     rows = []
     try:
         audit = with_floor(pd.DataFrame(summarize(load(args.audit), n_resamples=200))) if args.audit else None

@@ -9,7 +9,10 @@ results (merged as ``kvpress-phase report`` merges them) and writes Markdown:
 * the targets of ``docs/preregistration-real-model.md`` for ``--press`` (default ``phase_aware``) against
   ``--reference`` (default ``chunked_stride``) and the kvpress baselines: (1) no detectable phase effect
   (permutation p >= 0.05), (2) mean >= the reference's + 0.10 where the reference loses 0.10 or more to
-  ``no_press``, (3) mean >= the best baseline's - 0.03; met or missed, with the figures, and the counts per setting;
+  ``no_press``, (3) mean >= the best baseline's - 0.03; met or missed, with the figures, and the counts per setting
+  and over all settings, with the mean difference to the best baseline per ratio, every answer weighing the same
+  and every cell weighing the same. The best baseline of a cell is the best of every registered kvpress baseline
+  the runs answered (:func:`~.common.kvpress_baselines`; ``--baselines`` restricts them);
 * the science: the reference's phase effect (p, cross-fitted gap with its CI, the lowest phases, and whether the
   boundary phase S-1 differs from the others, :func:`~.metrics.boundary_test`), for every ``chunked_stride``
   variant in the runs;
@@ -27,9 +30,10 @@ import numpy as np
 import pandas as pd
 
 from kvpress_phase.evaluation.metrics import boundary_test, phase_matrix, summarize
-from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec
+from kvpress_phase.evaluation.presses import parse_press_spec
 
-from studies.common import emit, fmt_number, fmt_p, load, paired, paired_markdown, paired_pooled
+from studies.common import (ALL_BASELINES, baseline_labels, emit, fmt_number, fmt_p, kvpress_baselines, load, paired,
+                            paired_markdown, paired_pooled, pooled_by_ratio)
 
 CELL = ["setting", "task", "context_length", "stride", "compression_ratio"]
 
@@ -50,9 +54,11 @@ def targets(records: pd.DataFrame, press: str, reference: str, baselines: list[s
         best = max(base, key=base.get) if base else None
         full = control["mean"].iloc[0] if len(control) else None
         loses = full is not None and full - ref.mean >= 0.10
+        answers = getattr(ours, "n_samples", None)
+        answers = answers * len(ours.phases) if answers is not None and hasattr(ours, "phases") else None
         rows.append({
             "setting": setting, "task": task, "length": length, "stride": stride, "ratio": ratio,
-            "no_press": full, "reference": ref.mean, "press": ours.mean, "p": ours.p_value,
+            "no_press": full, "reference": ref.mean, "press": ours.mean, "p": ours.p_value, "answers": answers,
             "best_baseline": best, "best_mean": base.get(best),
             "t1": ours.p_value is None or ours.p_value >= 0.05,
             "t2": (ours.mean >= ref.mean + 0.10 - 1e-9) if loses else None,
@@ -80,6 +86,41 @@ def targets_markdown(table: pd.DataFrame, press: str, reference: str) -> str:
         lines += ["", f"{setting}: T1 met in {int(part['t1'].sum())} of {n} cells; T2 met in {int(t2.sum())} of "
                       f"{len(t2)} cells where {reference} loses 0.10 or more; T3 met in {int(t3.sum())} of {len(t3)} "
                       f"cells ({t3.mean():.0%}; target 80%).", ""]
+    return "\n".join(lines)
+
+
+def baselines_markdown(baselines: list[str], answered: set) -> str:
+    """Which baselines the best of a cell was chosen among."""
+    registered = kvpress_baselines()
+    scope = (f"every registered kvpress baseline ({len(registered)})" if baselines == registered
+             else f"{len(baselines)} of the {len(registered)} registered kvpress baselines (`--baselines`)")
+    there = [b for b in baselines if b in answered]
+    absent = [b for b in baselines if b not in answered]
+    return (f"Best baseline of a cell: the best of {scope}; answered in these runs: "
+            f"{', '.join(f'`{b}`' for b in there) or 'none'}"
+            + (f"; not answered: {', '.join(f'`{b}`' for b in absent)}" if absent else "") + ".")
+
+
+def overall_markdown(table: pd.DataFrame, press: str) -> str:
+    """T3 over every setting, and ``press`` minus the best baseline of each cell per ratio: every answer weighing
+    the same (a cell weighs its samples x phases) and every cell weighing the same."""
+    part = table.dropna(subset=["t3"])
+    if part.empty:
+        return ""
+    lines = [f"### {press} against the best baseline, all settings", "",
+             f"T3 met in {int(part['t3'].sum())} of {len(part)} cells ({part['t3'].mean():.0%}; target 80%).", "",
+             "| ratio | cells | T3 met | mean difference to the best baseline, answers weighted | "
+             "equal cell weights |", "|---|---|---|---|---|"]
+    for ratio, cells in part.groupby("ratio"):
+        diff = cells["press"] - cells["best_mean"]
+        weights = cells["answers"].astype(float)
+        weighted = float((diff * weights).sum() / weights.sum()) if weights.notna().all() and weights.sum() else None
+        lines.append(f"| {ratio:g} | {len(cells)} | {int(cells['t3'].sum())} | "
+                     f"{'-' if weighted is None else format(weighted, '+.3f')} | "
+                     f"{diff.mean():+.3f} |")
+    diff = part["press"] - part["best_mean"]
+    lines += ["", f"Over every cell: {diff.mean():+.3f} with equal cell weights (the best baseline is chosen per cell, "
+                  "after the fact).", ""]
     return "\n".join(lines)
 
 
@@ -139,10 +180,20 @@ def against_markdown(records: pd.DataFrame, results: pd.DataFrame, press: str, a
                    by=("setting", "context_length", "compression_ratio"))
     lines += ["", paired_markdown(table[table.press == press], against), ""]
     pooled = paired_pooled(results, press, against)
+    equal = paired_pooled(results, press, against, equal_cells=True)
     lines += [f"Pooled over these runs, one value per text (task and sample: its mean difference over the settings, "
               f"lengths, ratios, strides and phases; {pooled['answers']} paired answer groups): "
               f"{pooled['diff']:+.3f} [{pooled['low']:+.3f}, {pooled['high']:+.3f}] over {pooled['n']} texts "
-              "(95% t interval).", ""]
+              f"(95% t interval); with every cell weighing the same (a text's difference averaged over the phases of "
+              f"each cell, then over its cells): {equal['diff']:+.3f} [{equal['low']:+.3f}, {equal['high']:+.3f}].",
+              "", "Per ratio, pooled over the settings, lengths, tasks and strides (one value per text, 95% t "
+              "interval): every answer weighing the same (a stride weighs its phases) and every cell weighing the "
+              "same.", "", f"| ratio | cells | {press} - {against}, answers weighted | equal cell weights |",
+              "|---|---|---|---|"]
+    for r in pooled_by_ratio(results, press, against).itertuples():
+        lines.append(f"| {r.ratio:g} | {r.cells} | {r.diff:+.3f} [{r.low:+.3f}, {r.high:+.3f}] | "
+                     f"{r.equal:+.3f} [{r.equal_low:+.3f}, {r.equal_high:+.3f}] |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -151,8 +202,10 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--press", default="phase_aware")
     parser.add_argument("--reference", default="chunked_stride")
-    parser.add_argument("--baselines", default="snapkv,knorm,streaming_llm,chunkkv,chunk,expected_attention,tova,"
-                                               "keydiff,pyramidkv,kvzip")
+    parser.add_argument("--baselines", default=ALL_BASELINES,
+                        help="the kvpress baselines a cell's best baseline is chosen among: 'all' (default: every "
+                        "registered kvpress baseline, " + ",".join(kvpress_baselines()) + ") or a comma-separated "
+                        "list of them to restrict it")
     parser.add_argument("--against", help="also compare --press with this press cell by cell and paired by sample "
                         "(e.g. kvzip)")
     parser.add_argument("--output", help="write the Markdown here as well as to stdout")
@@ -165,7 +218,7 @@ def main(argv: Optional[list] = None) -> int:
     try:  # specs as the results name them (``share_heads=false`` is stored as ``share_heads=False``)
         press, reference = parse_press_spec(args.press).label, parse_press_spec(args.reference).label
         against = parse_press_spec(args.against).label if args.against else None
-        baselines = [parse_press_spec(b).label for b in args.baselines.split(",") if b]
+        baselines = baseline_labels(args.baselines)
     except ValueError as exc:
         print(f"targets: error: {exc}", file=sys.stderr)
         return 2
@@ -178,13 +231,13 @@ def main(argv: Optional[list] = None) -> int:
                   f"{', '.join(sorted(answered))}", file=sys.stderr)
             return 2
     records = pd.DataFrame(summarize(results, n_resamples=1000))
-    baselines = [b for b in baselines if getattr(REGISTRY.get(b.split(":")[0]), "matched", False)]
     table = targets(records, press, reference, baselines)
     if table.empty:
         print(f"targets: error: no compressed cell has answers of both {press!r} and {reference!r} (--reference is a "
               "compressing press answered in the same cells, such as chunked_stride)", file=sys.stderr)
         return 2
-    parts = [targets_markdown(table, press, reference)]
+    parts = [baselines_markdown(baselines, answered) + "\n", targets_markdown(table, press, reference),
+             overall_markdown(table, press)]
     if against:
         parts.append(against_markdown(records, results, press, against))
     text = "\n".join(parts + [science(results, records), depth_markdown(records)])
