@@ -41,6 +41,8 @@ def press_lines() -> list[str]:
         settings = ", ".join(f"{key}={shown(value)}" for key, value in defaults.items()) or "none"
         if entry.settings == "scorer":
             settings += f" (one of {', '.join(entry.scorers or CHUNK_SCORERS)})"
+        if entry.wraps:
+            settings += f" and the settings of {entry.wraps}"
         lines += [f"{INDENT}settings: {settings}", f"{INDENT}e.g. {example_spec(name)}"]
     run = "; ".join(f"{key} by {flag}" + (" (or a spec, where listed above)" if key in in_specs else "")
                     for key, flag in RUN_SETTINGS.items())

@@ -22,7 +22,7 @@ shards, so nothing is lost or duplicated: a torn last line (a write cut short, n
 ``results-rank<r>.jsonl.cut`` and its example run again, and any other unreadable line is skipped with a warning
 naming the file and line but left in place (:func:`.store.read_shard`). Reading results
 (:func:`.store.read_results`, ``kvpress-phase report``) never changes a shard. One process writes each shard: a run
-holds an operating-system lock on ``<output_dir>/.kvpress-phase-rank<r>.lock`` (:func:`.store.output_lock`) and a
+holds an operating-system lock on ``<output_dir>/.kvpress-phase-rank<r>.lock`` (:func:`.locking.output_lock`) and a
 second run into the same directory is refused; the lock dies with its process, so a killed run never blocks a
 resume. A command that fails before writing any result (a model that cannot be loaded) removes what it created there
 (:func:`.store.removed_if_failed_empty`). Under ``accelerate launch`` or ``torchrun`` every rank takes every
@@ -39,7 +39,7 @@ Where each part lives (this module re-exports the public names of the others, so
   :class:`~.replay.ReplayEngine`, which compresses it under any press and decodes the answers, with the identity
   of compressed caches (:func:`~.replay.cache_fingerprint`) and the scores shared between presses;
 - :mod:`.store`: the results shards (reading, resuming, :func:`~.store.record_key`, ``RESULTS_DIR``) and the
-  one-writer lock (:func:`~.store.output_lock`, :class:`~.store.OutputDirInUse`);
+  one-writer lock (:func:`~.locking.output_lock`, :class:`~.locking.OutputDirInUse`);
 - this module: the run itself (:func:`run_evaluation`: one prefill per prompt, every variant answered and appended
   to the rank's shard) and the distributed state.
 """
@@ -59,7 +59,7 @@ from .presses import build_press, prefill_reads, shares_scores
 from .prompting import check_tokenizer
 from .replay import Prefill, ReplayEngine, cache_fingerprint
 from .store import (PACKED, RESULTS_DIR, OutputDirInUse, output_lock, packed_path, read_results, read_shard, record_key,
-                    removed_if_failed_empty)
+                    removed_if_failed_empty, today_key)
 from .tasks import score
 
 __all__ = ["run_evaluation", "prefill_prompt", "distributed_state"]
@@ -124,7 +124,8 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
         os.replace(tmp, config_path)
 
     shard_path = os.path.join(output_dir, RESULTS_DIR, f"results-rank{rank}.jsonl")
-    done = {r["key"] for r in read_shard(shard_path, resume=True)}  # cuts a torn last line into <shard>.cut
+    # a torn last line is cut into <shard>.cut; keys under today's press labels, whatever spelling the run began with
+    done = {today_key(r) for r in read_shard(shard_path, resume=True)}
     units = plan_units(config, tokenizer)
     if config.protocol == "offset":  # the same text at every stride: the strides of a sample share one prefill
         units = sorted(units, key=lambda u: (u.task, u.context_length, u.sample_id))

@@ -1,6 +1,11 @@
 """The answer store: results shards (one JSONL file per rank under ``<output_dir>/results/``), how they are read
-and resumed, the packed form of a finished run (``results/answers.parquet``, :func:`pack_run`), and the
-operating-system lock that keeps one writer per shard (see :mod:`.runner`'s docstring).
+and resumed, the packed form of a finished run (``results/answers.parquet``, :func:`pack_run`) and answers taken out
+of one (:func:`drop_answers`). The lock that keeps one writer per shard is :mod:`.locking`'s; several runs are read
+as one by :mod:`.merging`.
+
+Answers are loaded under today's press labels: :func:`read_results` reads every label through the alias table of
+:mod:`.spellings` (a label written as ``phase_aware:allocate=layers`` reads ``layer_budget``), and the files are
+never rewritten for it.
 
 A run in progress appends to its JSON-lines shards (crash-safe, resumable); a finished run is packed once into one
 Parquet file that holds every field of every answer (read with pandas, pyarrow or
@@ -19,6 +24,8 @@ from typing import Optional
 import pandas as pd
 
 from .config import SETTINGS
+from .locking import OutputDirInUse, lock_path, output_lock  # noqa: F401 (imported from here too)
+from .spellings import canonical_key, canonical_label, canonical_records
 
 RESULTS_DIR = "results"
 PACKED = "answers.parquet"
@@ -97,12 +104,20 @@ def record_key(record: dict) -> str:
     return key if setting == SETTINGS[False] else f"{key}|{setting}"  # keys of earlier runs stay valid
 
 
+def today_key(record: dict) -> str:
+    """The key of a stored answer with its press under today's label (:func:`~.spellings.canonical_key`): what a
+    run resuming into its shard compares with the keys it plans."""
+    return canonical_key(record["key"], record["press"])
+
+
 def read_results(output_dir: str) -> pd.DataFrame:
-    """All shards of a run, deduplicated by example key and sorted deterministically.
+    """All shards of a run, under today's press labels, deduplicated by example key and sorted deterministically.
 
     Read only: the shards are never changed. A line that holds no record is skipped with a :class:`ShardWarning`
     naming the file and line (see :func:`read_shard` for the rule on a last line without a newline). A packed run's
-    answers (:func:`pack_run`) are read from its Parquet file.
+    answers (:func:`pack_run`) are read from its Parquet file. Every ``press`` label and the ``key`` that holds it
+    are read through the alias table (:func:`~.spellings.canonical_records`), so an answer reads the same whichever
+    spelling of its press the run was written under.
     """
     folder = os.path.join(output_dir, RESULTS_DIR)
     records = _read_packed(packed_path(output_dir))
@@ -112,7 +127,7 @@ def read_results(output_dir: str) -> pd.DataFrame:
                 records.extend(read_shard(os.path.join(folder, name)))
     if not records:
         return pd.DataFrame()
-    df = pd.DataFrame(records).drop_duplicates("key", keep="first")
+    df = canonical_records(pd.DataFrame(records)).drop_duplicates("key", keep="first")
     if "setting" not in df:
         df["setting"] = SETTINGS[False]
     df["setting"] = df["setting"].fillna(SETTINGS[False])  # runs from before the setting existed
@@ -237,7 +252,8 @@ DROPPED_DIR = "dropped"
 
 
 def drop_answers(output_dir: str, presses: list) -> Dropped:
-    """Take every answer of the press labels ``presses`` out of a run, so that resuming the run with its own
+    """Take every answer of the press labels ``presses`` (today's labels, as :func:`read_results` reads them; a
+    former spelling is read through the alias table) out of a run, so that resuming the run with its own
     ``kvpress-phase eval`` command answers them again with today's code (a press found faulty after the run).
 
     Nothing is lost: the dropped records go to ``results/dropped/<n>.parquet`` (read back and compared first), and
@@ -245,7 +261,7 @@ def drop_answers(output_dir: str, presses: list) -> Dropped:
     before the Parquet file is removed), since ``eval`` resumes only into shards. ValueError, changing nothing, for a
     folder without answers, a label the run has no answer of (the run's labels are named), a folder holding both
     shards and a packed file, or a folder another process is writing."""
-    wanted = list(dict.fromkeys(presses))
+    wanted = list(dict.fromkeys(canonical_label(p) for p in presses))
     if not wanted:
         raise ValueError("name at least one press label to drop")
     with output_lock(output_dir), warnings.catch_warnings():
@@ -261,21 +277,22 @@ def drop_answers(output_dir: str, presses: list) -> Dropped:
             if shards:  # eval never resumes into a packed run, so this is not a folder the tools wrote
                 raise ValueError(f"{output_dir!r} holds both shards and {PACKED}; drop handles one or the other")
             sources.append((packed, _read_packed(packed)))
-        labels = sorted({r["press"] for _, records in sources for r in records})
+        today = {r["press"]: canonical_label(r["press"]) for _, records in sources for r in records}
+        labels = sorted(set(today.values()))
         if not labels:
             raise ValueError(f"{output_dir!r} holds no answers (results/*.jsonl or results/{PACKED})")
         unknown = [p for p in wanted if p not in labels]
         if unknown:
             raise ValueError(f"{output_dir!r} has no answers of {', '.join(unknown)}; its presses: "
                              f"{', '.join(labels)}")
-        gone = [r for _, records in sources for r in records if r["press"] in wanted]
+        gone = [r for _, records in sources for r in records if today[r["press"]] in wanted]
         folder = os.path.join(output_dir, RESULTS_DIR, DROPPED_DIR)
         os.makedirs(folder, exist_ok=True)
         saved = os.path.join(folder, f"{len(os.listdir(folder)) + 1}.parquet")
         _write_parquet_checked(gone, saved, f"{output_dir!r}, the answers to drop")
         kept = 0
         for path, records in sources:
-            keep = [r for r in records if r["press"] not in wanted]
+            keep = [r for r in records if today[r["press"]] not in wanted]
             kept += len(keep)
             if len(keep) == len(records):
                 continue
@@ -290,38 +307,8 @@ def drop_answers(output_dir: str, presses: list) -> Dropped:
             os.replace(tmp, target)
             if path == packed:
                 os.remove(packed)
-        counts = {p: sum(r["press"] == p for r in gone) for p in wanted}
+        counts = {p: sum(today[r["press"]] == p for r in gone) for p in wanted}
     return Dropped(counts, kept, saved)
-
-
-# ------------------------------------------------------------------------------------------------ merging runs
-UNKNOWN_MODEL = "unknown"
-"""The model of a run folder without ``config.json`` (results written by other means): its answers merge only with
-those of other such folders."""
-
-ANSWER_FIELDS = ("answer", "prediction", "score")
-"""The fields two copies of one answer must agree on to be the same answer (:func:`read_runs`)."""
-
-CONSISTENT_FIELDS = ("dtype", "matched_cache")
-"""Configuration fields that change the answers without changing their keys: the runs of one model merged by
-:func:`read_runs` must agree on them."""
-
-
-@dataclasses.dataclass
-class RunInfo:
-    """One run folder read by :func:`read_runs`: its model and seed (from ``config.json``), the answers it holds and
-    the answers its configuration plans (None without a readable configuration)."""
-
-    path: str
-    model: str
-    seed: Optional[int]
-    answers: int
-    planned: Optional[int]
-    config: Optional[dict] = None
-
-    @property
-    def incomplete(self) -> bool:
-        return self.planned is not None and self.answers < self.planned
 
 
 def saved_config(output_dir: str) -> Optional[dict]:
@@ -350,150 +337,7 @@ def _planned(config: dict) -> Optional[int]:
         return None
 
 
-def _seed_label(seed) -> str:
-    return "-" if seed is None or pd.isna(seed) else str(int(seed))
-
-
-def merge_key(record) -> str:
-    """The key of one answer across runs: :func:`record_key`'s key (the run's own resume key, unchanged) after the
-    run's model and seed, so that runs of other models or seeds never collapse into one answer."""
-    return f"{record['model']}|{_seed_label(record.get('seed'))}|{record['key']}"
-
-
-def _signatures(df: pd.DataFrame) -> pd.Series:
-    """One string per row that is equal for two rows exactly when they agree on :data:`ANSWER_FIELDS`."""
-    out = pd.Series("", index=df.index)
-    for field in ANSWER_FIELDS:
-        if field in df:
-            out += "\x1f" + df[field].map(lambda x: json.dumps(None if not isinstance(x, (list, tuple)) and pd.isna(x)
-                                                                else x, default=str))
-    return out
-
-
-def read_runs(runs: list[str]) -> tuple[pd.DataFrame, list[RunInfo], list[str]]:
-    """The answers of several run folders merged, with ``model``, ``seed`` and ``run`` columns; the runs read; and
-    one line per pair of runs that hold the same answers (collapsed into one).
-
-    Read only. Answers are merged by :func:`merge_key` (model, seed and the example's key), so every answer of every
-    model and seed is kept. An answer held by two runs is kept once when both copies agree (same answer, prediction
-    and score), and a line says how many; copies that disagree, a folder without ``results/``, or two runs of one
-    model that differ in a field of :data:`CONSISTENT_FIELDS` raise ValueError naming both runs. The model comes from
-    the run's ``config.json`` (the default built-in model for runs saved before it was recorded, :data:`UNKNOWN_MODEL`
-    without one), the seed from each record (or the configuration).
-    """
-    from kvpress_phase.builtin import DEFAULT_MODEL
-
-    frames, infos = [], []
-    for run in runs:
-        if not os.path.isdir(os.path.join(run, RESULTS_DIR)):
-            raise ValueError(f"{run!r} holds no results of `kvpress-phase eval` (no results/ folder)")
-        config = saved_config(run)
-        model = UNKNOWN_MODEL if config is None else str(config.get("model") or DEFAULT_MODEL)
-        seed = config.get("seed") if config is not None else None
-        df = read_results(run)
-        if len(df):
-            df["seed"] = df["seed"].where(df["seed"].notna(), seed) if "seed" in df else seed
-            df["model"] = df["model"].fillna(model) if "model" in df else model
-            df["run"] = run
-            frames.append(df)
-            if seed is None and df["seed"].nunique() == 1:
-                seed = int(df["seed"].dropna().iloc[0])
-        infos.append(RunInfo(run, model, seed, len(df), _planned(config) if config is not None else None, config))
-    _check_consistent(infos)
-    if not frames:
-        return pd.DataFrame(), infos, []
-    merged = pd.concat(frames, ignore_index=True)
-    keys = merged["model"].astype(str) + "|" + merged["seed"].map(_seed_label) + "|" + merged["key"]
-    later = keys.duplicated(keep="first")
-    notes = []
-    if later.any():
-        copies = merged[later]
-        kept = merged[~later & keys.isin(keys[later])].set_axis(keys[~later & keys.isin(keys[later])])
-        kept = kept.loc[keys[later]]  # the copy kept of every later one, in the same order
-        kept_runs, runs_of = kept["run"].to_numpy(), copies["run"].to_numpy()
-        differs = _signatures(kept).to_numpy() != _signatures(copies).to_numpy()
-        if differs.any():
-            i = int(differs.argmax())
-            n = int((differs & (kept_runs == kept_runs[i]) & (runs_of == runs_of[i])).sum())
-            row = copies.iloc[i]
-            raise ValueError(
-                f"runs {kept_runs[i]!r} and {runs_of[i]!r} hold different answers to {n} of the same examples "
-                f"(model {row['model']}, seed {_seed_label(row['seed'])}, e.g. {row['key']}): merge runs that answer "
-                "different examples, or report them apart")
-        pairs = pd.Series(1, index=pd.MultiIndex.from_arrays([kept_runs, runs_of])).groupby(level=[0, 1],
-                                                                                           sort=False).sum()
-        notes = [f"{b!r} is given more than once: its {n} answers are counted once"
-                 if os.path.realpath(a) == os.path.realpath(b) else
-                 f"{n} answers of {b!r} are also in {a!r}, identical (same model, seed and example): each is counted "
-                 "once" for (a, b), n in pairs.items()]
-        merged = merged[~later].copy()
-    try:
-        merged["seed"] = merged["seed"].astype("Int64")
-    except (TypeError, ValueError):
-        pass
-    return merged.reset_index(drop=True), infos, notes
-
-
-def _check_consistent(infos: list[RunInfo]) -> None:
-    """ValueError naming two runs of one model whose configurations differ in a field of :data:`CONSISTENT_FIELDS`."""
-    from .config import EvalConfig
-
-    first: dict[tuple, tuple] = {}
-    for info in infos:
-        if info.config is None:
-            continue
-        for field in CONSISTENT_FIELDS:
-            value = info.config.get(field, getattr(EvalConfig, field))
-            seen = first.setdefault((info.model, field), (info.path, value))
-            if seen[1] != value:
-                raise ValueError(f"runs {seen[0]!r} and {info.path!r} ran model {info.model} with different {field} "
-                                 f"({seen[1]} and {value}): their answers cannot be merged; report them apart")
-
-
-# ------------------------------------------------------------------------------------------------ one writer
-class OutputDirInUse(ValueError):
-    """Another process is writing to the same output directory (and shard)."""
-
-
-_HELD_LOCKS: dict = {}  # lock path -> [FileLock, depth]: the lock is re-entrant within a process
-
-
-def lock_path(output_dir: str, rank: int = 0) -> str:
-    return os.path.join(os.path.abspath(output_dir), f".kvpress-phase-rank{rank}.lock")
-
-
-@contextlib.contextmanager
-def output_lock(output_dir: str, rank: int = 0):
-    """Hold the lock of ``output_dir``'s shard ``rank``, or raise :class:`OutputDirInUse` at once.
-
-    An operating-system file lock (``flock`` through ``filelock``): it is released when the holder exits, even when
-    it is killed, so a stale lock file never blocks a resume. Re-entrant within one process.
-    """
-    from filelock import FileLock, Timeout
-
-    path = lock_path(output_dir, rank)
-    held = _HELD_LOCKS.get(path)
-    if held is None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        lock = FileLock(path, timeout=0)
-        try:
-            lock.acquire()
-        except Timeout:
-            raise OutputDirInUse(
-                f"output directory {output_dir!r} is in use by another run (lock {path}); wait for it to finish "
-                "or use another --output-dir"
-            ) from None
-        held = _HELD_LOCKS[path] = [lock, 0]
-    held[1] += 1
-    try:
-        yield
-    finally:
-        held[1] -= 1
-        if held[1] == 0:
-            del _HELD_LOCKS[path]
-            held[0].release()
-
-
+# ------------------------------------------------------------------------------------------------ a failed run
 @contextlib.contextmanager
 def removed_if_failed_empty(output_dir: str, rank: int = 0):
     """Undo what a failed run created in ``output_dir`` when it wrote no result (e.g. a model that fails to load).
@@ -523,3 +367,16 @@ def removed_if_failed_empty(output_dir: str, rank: int = 0):
                     with contextlib.suppress(OSError):  # a folder that is not empty stays
                         os.rmdir(path) if os.path.isdir(path) else os.remove(path)
         raise
+
+
+_MERGING = ("read_runs", "RunInfo", "merge_key", "UNKNOWN_MODEL", "ANSWER_FIELDS", "CONSISTENT_FIELDS")
+
+
+def __getattr__(name: str):
+    """:func:`~.merging.read_runs` and its companions, which read several runs through this module, imported from
+    here too (``from kvpress_phase.evaluation.store import read_runs``)."""
+    if name in _MERGING:
+        from . import merging
+
+        return getattr(merging, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,9 +36,10 @@ from studies.common import (ALL_BASELINES, baseline_labels, fmt_number, fmt_p, k
                             read_summaries)
 
 REFERENCE = "phase_aware"
-DENSE = "phase_aware:scorer=kvzap:allocate=layers"
-MASKING = ("phase_aware:scorer=kvzap:allocate=layers_heads:share_heads=False",
-           "phase_aware:scorer=kvzap:allocate=heads:share_heads=False")
+DENSE = "layer_budget:scorer=kvzap"
+MASKING = ("global_budget:scorer=kvzap", "head_budget:scorer=kvzap")
+"""The candidates by their labels of today (the dev round's runs, written as ``phase_aware:scorer=kvzap:allocate=...``,
+read under them: :mod:`kvpress_phase.evaluation.spellings`)."""
 PREREGISTERED = ("kvzip_plus", "adakv", "kvzap", "keydiff")
 """The kvpress baselines the dev round ran; among equal means the best baseline is the first of them."""
 BASELINES = tuple(PREREGISTERED) + tuple(b for b in kvpress_baselines() if b not in PREREGISTERED)

@@ -2,11 +2,13 @@
 
 - :class:`ChunkedStridePress` (chunked_stride_press.py): fixed windows every ``stride`` tokens, ``k`` entries each;
 - :class:`PhaseAwarePress` (phase_aware_press.py): the same cache length, the row's best tokens;
-- :class:`StaggeredWindowPress` (staggered_window_press.py): fixed per-window budgets on moving grids (ablations);
 - :class:`HeadBudgetPress`, :class:`LayerBudgetPress`, :class:`GlobalBudgetPress` (budget.py): wrappers that spread a
   ``PhaseAwarePress``'s budget by score across KV heads, layers, or both;
 - :class:`PerLayerWindowedPress` (per_layer.py): a ratio per layer for any of them;
 - :class:`WindowedDecodingPress` (decoding.py): any of them while generating too.
+
+The studies' ablations are in ``ablations/``: :class:`StaggeredWindowPress` (fixed per-window budgets on moving
+grids), exported here and as ``kvpress_phase.StaggeredWindowPress``.
 
 What they share (parameters, the compress step's frame) is in base.py; token choice by score in choice.py; scorers
 beyond kvpress's in scorers.py; what a press records (``press.stats``, :func:`cache_summary`) in stats.py; the
@@ -14,18 +16,18 @@ attention patch for caches whose layers differ in length in uneven_layers.py; th
 ragged (:mod:`kvpress_phase.ragged`) in ragged_store.py.
 """
 
+from kvpress_phase.presses.ablations import StaggeredWindowPress
 from kvpress_phase.presses.base import WindowedPress
 from kvpress_phase.presses.budget import GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress
 from kvpress_phase.presses.chunked_stride_press import ChunkedStridePress
 from kvpress_phase.presses.decoding import WindowedDecodingPress
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
-from kvpress_phase.presses.staggered_window_press import StaggeredWindowPress
 from kvpress_phase.presses.stats import CacheSummary, LayerStats, cache_summary
 from kvpress_phase.presses.uneven_layers import patch_attention_functions
 
 patch_attention_functions()
 
-__all__ = ["ChunkedStridePress", "PhaseAwarePress", "StaggeredWindowPress", "PerLayerWindowedPress",
-           "WindowedDecodingPress", "WindowedPress", "LayerStats", "CacheSummary", "cache_summary", "HeadBudgetPress",
-           "LayerBudgetPress", "GlobalBudgetPress"]
+__all__ = ["ChunkedStridePress", "PhaseAwarePress", "PerLayerWindowedPress", "WindowedDecodingPress", "WindowedPress",
+           "LayerStats", "CacheSummary", "cache_summary", "HeadBudgetPress", "LayerBudgetPress", "GlobalBudgetPress",
+           "StaggeredWindowPress"]

@@ -382,7 +382,7 @@ def test_dtype_warning_on_a_gpu_without_native_bfloat16(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    warning = evaluation_cli._dtype_warning
+    from kvpress_phase.evaluation.commands import _dtype_warning as warning
     assert "bfloat16" in warning("bfloat16", "cuda:0") and "float16" in warning("float16", "cpu")
     assert warning("float16", "cuda") is None and warning("float32", "cpu") is None
 

@@ -37,7 +37,11 @@ def test_list_shows_every_press_setting_with_its_default_and_an_example_spec(cap
     for name, lines in blocks.items():
         (settings,) = [line for line in lines if line.startswith("settings: ")]
         (example,) = [line[len("e.g. "):] for line in lines if line.startswith("e.g. ")]
-        assert all(f"{key}=" in settings for key in press_settings(name)) or settings == "settings: none"
+        own = [key for key in press_settings(name) if not REGISTRY[name].wraps
+               or key not in press_settings(REGISTRY[name].wraps)]  # a wrapper lists its own, and names the press's
+        assert all(f"{key}=" in settings for key in own) or settings == "settings: none"
+        if REGISTRY[name].wraps:
+            assert f"and the settings of {REGISTRY[name].wraps}" in settings
         assert example.split(":")[0] == name and parse_press_spec(example).name == name
         # each default, written into a spec, builds the press the bare name builds ("auto" cannot be written); a
         # chunk wrapper's scorer by name may be our subclass of kvpress's (snapkv: the partial-rotary-safe SnapKV)
@@ -52,7 +56,8 @@ def test_list_shows_every_press_setting_with_its_default_and_an_example_spec(cap
             else:
                 assert built == bare, (name, key)
     assert "mode=select" in blocks["chunked_stride"][1] and "scorer=keydiff" in blocks["phase_aware"][1]
-    assert "e.g. phase_aware:scorer=kvzap:allocate=layers" in blocks["phase_aware"]
+    assert "e.g. layer_budget:scorer=kvzap" in blocks["layer_budget"]
+    assert "settings: floor=0.0, press=phase_aware and the settings of phase_aware" in blocks["global_budget"]
     assert "settings: scorer=knorm (one of " in blocks["chunk"][1]
 
 

@@ -12,6 +12,7 @@ import torch
 
 from kvpress_phase import cli
 from kvpress_phase.evaluation import cli as evaluation_cli
+from kvpress_phase.evaluation import commands
 
 
 # ------------------------------------------------------------------------------------------------ --threads
@@ -88,7 +89,7 @@ def test_a_run_resumes_with_another_thread_count_and_records_it(model_dir, tmp_p
 
 def test_audit_forwards_threads_to_the_eval_it_runs(monkeypatch, capsys):
     ran = []
-    monkeypatch.setattr(evaluation_cli, "_cmd_eval", lambda args: ran.append(args) or 0)
+    monkeypatch.setattr(commands, "cmd_eval", lambda args: ran.append(args) or 0)
     assert cli.main(["audit", "knorm", "--threads", "3", "--output-dir", "o"]) == 0
     assert cli.main(["audit", "knorm", "--output-dir", "o"]) == 0
     assert [args.threads for args in ran] == [3, None]

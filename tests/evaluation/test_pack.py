@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from kvpress_phase import cli
-from kvpress_phase.evaluation.store import PACKED, RESULTS_DIR, pack_run, read_results, read_runs
+from kvpress_phase.evaluation.merging import read_runs
+from kvpress_phase.evaluation.store import PACKED, RESULTS_DIR, pack_run, read_results
 
 TINY = ["--tasks", "niah_single", "--presses", "no_press,phase_aware", "--strides", "4", "--phases", "0,1",
         "--context-lengths", "64", "--samples", "2", "--no-diagnostics", "--device", "cpu", "--no-progress",

@@ -1,5 +1,6 @@
-"""The targets tables' command line: press specs are read as the results name them, and a press the runs did not
-answer is refused with the presses they did answer (exit code 2), not a traceback."""
+"""The targets tables' command line: press specs are read as the results name them (today's labels, whatever
+spelling the run was written under or the spec is typed in), and a press the runs did not answer is refused with the
+presses they did answer (exit code 2), not a traceback."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ def run_dir():
 def test_a_press_not_in_the_runs_is_named_with_those_that_are(run_dir, capsys):
     assert main([run_dir, "--press", "phase_aware:share_heads=false"]) == 2
     err = capsys.readouterr().err
-    assert "'phase_aware:share_heads=False' has no answers" in err and "no_press" in err
+    assert "'head_budget:floor=1.0' has no answers" in err and "no_press" in err
 
 
 def test_a_reference_without_compressed_cells_is_refused(run_dir, capsys):
-    # the spec is written as a user types it (share_heads=false), stored as share_heads=False: it is found
+    # the spec is typed in a former spelling (the run was written under phase_aware:allocate=heads:share_heads=False):
+    # both read as head_budget:recent=0.1, so it is found
     assert main([run_dir, "--press", HEADS, "--reference", "no_press"]) == 2
     assert "no compressed cell has answers of both" in capsys.readouterr().err
 
@@ -41,7 +43,9 @@ def test_the_tables_name_the_press_as_the_results_do(run_dir, capsys):
     assert main([run_dir, "--press", HEADS, "--reference",
                  "phase_aware:allocate=heads:share_heads=false:recent=0.25"]) == 0
     out = capsys.readouterr().out
-    assert "| task | tokens | S | ratio |" in out and "share_heads=False:recent=0.1" in out
+    assert "| task | tokens | S | ratio |" in out and "head_budget:recent=0.1" in out
+    assert main([run_dir, "--press", "head_budget:recent=0.1", "--reference", "head_budget:recent=0.25"]) == 0
+    assert capsys.readouterr().out == out  # today's spelling reads the same tables
     assert "T3 met in" in out
 
 
@@ -49,9 +53,9 @@ def test_against_compares_cell_by_cell_and_paired(run_dir, capsys):
     assert main([run_dir, "--press", HEADS, "--reference", "phase_aware:allocate=heads:share_heads=false:recent=0.25",
                  "--against", "phase_aware:scorer=kvzip:allocate=heads:share_heads=false"]) == 0
     out = capsys.readouterr().out
-    assert "against phase_aware:scorer=kvzip:allocate=heads:share_heads=False" in out
+    assert "against head_budget:scorer=kvzip" in out
     assert "| query_agnostic | niah_single | 1024 | 8 | 0.75 |" in out
-    assert "mean difference to `phase_aware:scorer=kvzip:allocate=heads:share_heads=False`" in out
+    assert "mean difference to `head_budget:scorer=kvzip`" in out
     assert main([run_dir, "--press", HEADS, "--reference", "phase_aware:allocate=heads:share_heads=false:recent=0.25",
                  "--against", "kvzip"]) == 2  # not answered in this run
     assert "--against 'kvzip' has no answers" in capsys.readouterr().err

@@ -19,14 +19,17 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SPEC = re.compile(r"(?:phase_aware|chunked_stride|staggered_window)(?::[a-z_]+=[A-Za-z0-9_.]+)+")
+SPEC = re.compile(r"(?:phase_aware|chunked_stride|staggered_window|head_budget|layer_budget|global_budget)"
+                  r"(?::[a-z_]+=[A-Za-z0-9_.]+)+")
 DOCS = ["RESULTS.md", "README.md", "MODEL_CARD.md", "docs", "notebooks"]
 
 
 def documented_specs() -> list[str]:
-    """Every ``phase_aware:...``/``chunked_stride:...``/``staggered_window:...`` spec written in the docs and
-    notebooks, in today's spelling (results of earlier studies keep the labels they were run under), sorted."""
-    from kvpress_phase.evaluation.presses import current_spelling
+    """Every spec of our presses with settings (``phase_aware:...``, ``chunked_stride:...``, ``staggered_window:...``,
+    the budget wrappers') written in the docs and notebooks, in today's spelling and label (results of earlier
+    studies keep the labels they were run under; the budget wrappers' former spellings read through the alias
+    table), sorted."""
+    from kvpress_phase.evaluation.presses import canonical_label, current_spelling
 
     found = set()
     for entry in DOCS:
@@ -35,7 +38,7 @@ def documented_specs() -> list[str]:
                                                      if f.endswith((".md", ".ipynb"))]
         for name in files:
             with open(name, encoding="utf-8") as fh:
-                found.update(current_spelling(spec) for spec in SPEC.findall(fh.read()))
+                found.update(canonical_label(current_spelling(spec)) for spec in SPEC.findall(fh.read()))
     return sorted(found)
 
 

@@ -1,5 +1,6 @@
 """Budget wrappers around PhaseAwarePress: one raw-token budget spread by score across layers, KV heads, or both
-(``HeadBudgetPress``, ``LayerBudgetPress``, ``GlobalBudgetPress``; specs ``phase_aware:allocate=...``)."""
+(``HeadBudgetPress``, ``LayerBudgetPress``, ``GlobalBudgetPress``; specs ``head_budget``, ``layer_budget``,
+``global_budget``)."""
 
 from __future__ import annotations
 
@@ -70,11 +71,12 @@ def test_invalid_budgets_are_refused(make, match):
 
 @pytest.mark.parametrize("spec, match", [
     ("phase_aware:allocate=model", "allocate"),
-    ("phase_aware:allocate=heads", "share_heads=false"),
-    ("phase_aware:allocate=layers_heads", "share_heads=false"),
-    ("phase_aware:allocate=layers:share_heads=false", "layers_heads"),
+    ("phase_aware:allocate=heads:share_heads=true", "head_budget"),
+    ("head_budget:share_heads=false", "no setting 'share_heads'"),
+    ("phase_aware:allocate=layers:share_heads=false", "global_budget"),
     ("phase_aware:floor=0.5", "floor"),
-    ("phase_aware:allocate=layers:residual=pool", "residual='drop'"),
+    ("layer_budget:residual=pool", "residual='drop'"),
+    ("global_budget:floor=1.5", "floor"),
 ])
 def test_invalid_budget_specs_are_refused(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -82,10 +84,10 @@ def test_invalid_budget_specs_are_refused(spec, match):
 
 
 @pytest.mark.parametrize("spec, wrapper, floor", [
-    ("phase_aware", None, None), ("phase_aware:share_heads=false", HeadBudgetPress, 1.0),
-    ("phase_aware:allocate=heads:share_heads=false", HeadBudgetPress, 0.0),
-    ("phase_aware:allocate=layers:floor=0.25", LayerBudgetPress, 0.25),
-    ("phase_aware:allocate=layers_heads:share_heads=false:floor=0.5", GlobalBudgetPress, 0.5),
+    ("phase_aware", None, None), ("head_budget:floor=1.0", HeadBudgetPress, 1.0),
+    ("head_budget", HeadBudgetPress, 0.0),
+    ("layer_budget:floor=0.25", LayerBudgetPress, 0.25),
+    ("global_budget:floor=0.5", GlobalBudgetPress, 0.5),
 ])
 def test_budget_specs_build_their_wrappers(spec, wrapper, floor):
     press = build_press(parse_press_spec(spec), 0.5, 8, None, 0)
@@ -209,8 +211,7 @@ def test_the_scorer_runs_once_per_layer_per_prefill(tokenizer, wrapper):
 
 
 # ------------------------------------------------------------------------------------------------ replay
-@pytest.mark.parametrize("spec", ["phase_aware:allocate=layers:floor=0.25", "phase_aware:allocate=heads:share_heads=false",
-                                  "phase_aware:allocate=layers_heads:share_heads=false:floor=0.25"])
+@pytest.mark.parametrize("spec", ["layer_budget:floor=0.25", "head_budget", "global_budget:floor=0.25"])
 def test_replay_gives_the_pipeline_answers(spec):
     word_tokenizer = build_tokenizer()
     model = tiny_model("llama", vocab_size=len(word_tokenizer), seed=3, num_hidden_layers=3)  # kvpress finds

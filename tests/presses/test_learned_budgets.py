@@ -102,7 +102,7 @@ def test_kvzap_scores_need_the_model_first():
 
 # ------------------------------------------------------------------------------------------------ registry
 def test_learned_presses_record_the_hidden_states_and_do_not_read_the_question():
-    for text in ("kvzap", "phase_aware:scorer=kvzap", "phase_aware:scorer=kvzap:allocate=layers", "adakv:scorer=kvzap"):
+    for text in ("kvzap", "phase_aware:scorer=kvzap", "layer_budget:scorer=kvzap", "adakv:scorer=kvzap"):
         assert HIDDEN_STATES in prefill_reads(parse_press_spec(text)), text
     warning = query_aware_warning(["no_press", "kvzap", "adakv", "kvzip_plus"])
     assert "none of the presses reads" in warning
