@@ -36,7 +36,7 @@ def batched_cache(caches: list, masks: Optional[list] = None):
     and the rows' masks.
 
     Every layer is as long as the longest layer of any row: shorter ones (presses with budgets per layer, e.g.
-    kvpress's PyramidKVPress or ``PhaseAwarePress(allocate="layers")``) are padded with masked entries. transformers
+    kvpress's PyramidKVPress or ``LayerBudgetPress(PhaseAwarePress(...))``) are padded with masked entries. transformers
     builds one attention mask for all layers from the first layer's length, so a cache whose layers differ in length
     fails with SDPA attention unless it is padded; masked padding changes no attention weight, and rows of different
     lengths can share a batch (:func:`cache_signature`).

@@ -4,11 +4,11 @@ For a few texts of one task, placed at every phase of one stride (the offset pro
 press compresses the prefill once per phase; from ``press.stats`` it reads, per layer, how many entries are attended
 (a masked head's padding not counted) and which share of the answer's tokens is still attended (in any KV head, and
 averaged over the KV heads). Written for R7's question why the dense budget over layers
-(``phase_aware:scorer=kvzap:allocate=layers``) misses at ratio 0.75 on ``niah_single`` where the global one does not:
+(``layer_budget:scorer=kvzap``) misses at ratio 0.75 on ``niah_single`` where the global one does not:
 
     python -m studies.budget_layers --model smollm2 --task niah_single --context-length 1024 --stride 5 \\
         --compression-ratio 0.75 --samples 4 --seed 17 \\
-        --presses phase_aware,phase_aware:scorer=kvzap:allocate=layers,phase_aware:scorer=kvzap:allocate=layers_heads:share_heads=false \\
+        --presses phase_aware,layer_budget:scorer=kvzap,global_budget:scorer=kvzap \\
         --output docs/results/learned/budget-layers.md
 
 It writes a Markdown table per press (layer by layer) and a plot beside the Markdown (``.png``). It answers nothing:

@@ -1,7 +1,7 @@
 """Layers whose caches have different lengths, in transformers' attention: the one patch this package applies.
 
 A press that keeps more entries in some layers than in others (:class:`~kvpress_phase.PerLayerWindowedPress`,
-``PhaseAwarePress(allocate="layers")``) leaves a cache whose layers differ in length. transformers builds one
+``LayerBudgetPress(PhaseAwarePress(...))``) leaves a cache whose layers differ in length. transformers builds one
 attention mask per forward pass, sized by the first layer's cache, so a question of more than one token fails in
 every other layer (kvpress's own ``PerLayerCompressionPress`` asks for flash attention for this reason).
 
