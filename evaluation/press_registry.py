@@ -105,10 +105,23 @@ def _phase_aware_settings(options: dict) -> tuple:
     return _fields("PhaseAwarePress", "window")(options)
 
 
-def _wrapper_settings(options: dict) -> tuple:
-    """A budget wrapper's settings: its ``floor`` and ``press`` (:data:`~.spellings.WRAPPED`), then the settings of
-    the ``PhaseAwarePress`` it wraps."""
-    return ("floor", "press") + _phase_aware_settings(options)
+def _wrapper_fields(name: str) -> tuple:
+    """The init fields of the budget wrapper ``name`` other than the press it wraps (``floor``; ``threshold`` for
+    ``threshold_budget``)."""
+    import dataclasses
+
+    import kvpress_phase
+
+    return tuple(f.name for f in dataclasses.fields(getattr(kvpress_phase, WRAPPERS[name]))
+                 if f.init and f.name != "press" and not f.name.startswith("_"))
+
+
+def _wrapper_settings(name: str):
+    """``setting_names`` of the budget wrapper ``name``: its own fields and ``press``
+    (:data:`~.spellings.WRAPPED`), then the settings of the ``PhaseAwarePress`` it wraps."""
+    def names(options: dict) -> tuple:
+        return _wrapper_fields(name) + ("press",) + _phase_aware_settings(options)
+    return names
 
 
 def _chunked_stride(options: dict, a: BuildArgs):
@@ -137,17 +150,20 @@ def _phase_aware(options: dict, a: BuildArgs):
 
 def _budget(name: str):
     """The budget wrapper ``name`` (:data:`~.spellings.WRAPPERS`) around the ``PhaseAwarePress`` of the other
-    settings; ``floor`` is the wrapper's."""
+    settings; the wrapper's own fields (``floor``, and ``threshold`` for ``threshold_budget``) are the wrapper's."""
     def build(options: dict, a: BuildArgs):
         import kvpress_phase
 
+        cls = getattr(kvpress_phase, WRAPPERS[name])
         options = dict(options)
-        floor = options.pop("floor", 0.0)
         inner = options.pop("press", WRAPPED)
         if inner != WRAPPED:
             raise ValueError(f"press={inner!r}: {WRAPPERS[name]} spreads a PhaseAwarePress's budget, press={WRAPPED} "
                              "(the default)")
-        return getattr(kvpress_phase, WRAPPERS[name])(_phase_aware(options, a), floor=floor)
+        own = {key: options.pop(key) for key in _wrapper_fields(name) if key in options}
+        if name == "threshold_budget" and "threshold" not in own:
+            options.setdefault("scorer", "kvzap")  # the calibrated threshold is the learned scorer's
+        return cls(_phase_aware(options, a), **own)
     return build
 
 
@@ -186,6 +202,14 @@ def _kvzap(options: dict, a: BuildArgs):
     return LocalKVzapPress(compression_ratio=a.base_ratio)
 
 
+def _dms_kvzap(options: dict, a: BuildArgs):
+    """kvpress's ``DMSPress`` around ``KVzapPress`` with the shipped scorer, its threshold calibrated for the matched
+    ratio (:class:`~kvpress_phase.presses.learned_scorer.CalibratedDMSPress`)."""
+    from kvpress_phase.presses.learned_scorer import CalibratedDMSPress, LocalKVzapPress
+
+    return CalibratedDMSPress(LocalKVzapPress(), target_ratio=a.base_ratio, **options)
+
+
 def _chunk(class_name: str, default_scorer: str):
     """kvpress's chunk wrapper ``class_name`` around kvpress's ``default_scorer`` press, or around the scorer of
     :data:`~kvpress_phase.presses.scorers.SCORERS` that ``scorer=NAME`` names."""
@@ -214,16 +238,21 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
     PressEntry("head_budget", "HeadBudgetPress(PhaseAwarePress): its raw-token budget spread by score across the KV "
                "heads of each layer (each head its own tokens; floor=1.0: each head its own even budget)",
                _budget("head_budget"), settings="fields", masks=True, grid_offset=True, trainable=True,
-               in_default_job=False, setting_names=_wrapper_settings, wraps=WRAPPED,
+               in_default_job=False, setting_names=_wrapper_settings("head_budget"), wraps=WRAPPED,
                example="head_budget:scorer=kvzap"),
     PressEntry("layer_budget", "LayerBudgetPress(PhaseAwarePress): its raw-token budget spread by score across "
                "layers (each layer dense at its own length)", _budget("layer_budget"), settings="fields",
-               grid_offset=True, trainable=True, in_default_job=False, setting_names=_wrapper_settings,
+               grid_offset=True, trainable=True, in_default_job=False, setting_names=_wrapper_settings("layer_budget"),
                wraps=WRAPPED, example="layer_budget:scorer=kvzap"),
     PressEntry("global_budget", "GlobalBudgetPress(PhaseAwarePress): its raw-token budget spread by score across "
                "layers and KV heads together (KVzip's shape)", _budget("global_budget"), settings="fields",
-               masks=True, grid_offset=True, trainable=True, in_default_job=False, setting_names=_wrapper_settings,
+               masks=True, grid_offset=True, trainable=True, in_default_job=False, setting_names=_wrapper_settings("global_budget"),
                wraps=WRAPPED, example="global_budget:floor=0.25:scorer=kvzap"),
+    PressEntry("threshold_budget", "ThresholdBudgetPress(PhaseAwarePress): its raw-token budget over layers and KV "
+               "heads decided layer by layer, by a score threshold calibrated on the learned scorer's text (the "
+               "scorer is kvzap unless threshold= is given)", _budget("threshold_budget"), settings="fields",
+               masks=True, grid_offset=True, in_default_job=False, setting_names=_wrapper_settings("threshold_budget"),
+               wraps=WRAPPED, example="threshold_budget:floor=0.25"),
     PressEntry("staggered_window", "StaggeredWindowPress: a fixed budget per window on grids staggered per head, "
                "aligned to the scores or overlapping (the studies' ablations)",
                _staggered_window, settings="fields", grid_offset=True, in_default_job=False,
@@ -260,6 +289,11 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
     PressEntry("kvzap", "kvpress KVzapPress with the scorer shipped for the model (learned KVzip+ scores from the "
                "layer's input, the same count per head)", _kvzap, reads=frozenset({HIDDEN_STATES}), matched=True,
                in_default_job=False, shared_scores=True),
+    PressEntry("dms_kvzap", "kvpress DMSPress(KVzapPress) with the scorer shipped for the model, as kvpress pairs them "
+               "(entries scored below a threshold masked, the last 128 tokens kept); the threshold from the scorer's "
+               "calibration for the ratio, so what each context keeps follows its scores", _dms_kvzap,
+               reads=frozenset({HIDDEN_STATES}), settings="fields", masks=True, matched=True, in_default_job=False,
+               setting_names=lambda options: ("sliding_window_size",), example="dms_kvzap:sliding_window_size=64"),
 ]}
 """Every press the evaluation can run, by name (the CLI's ``list`` prints them in this order)."""
 

@@ -36,7 +36,8 @@ settings that name adds. ``share_heads=false`` alone (each KV head its own even 
 FORMER_BUDGET_SETTINGS = ("allocate", "share_heads", "floor")
 """The settings of ``phase_aware`` that :data:`BUDGET_ALIASES` reads."""
 
-WRAPPERS = {"head_budget": "HeadBudgetPress", "layer_budget": "LayerBudgetPress", "global_budget": "GlobalBudgetPress"}
+WRAPPERS = {"head_budget": "HeadBudgetPress", "layer_budget": "LayerBudgetPress", "global_budget": "GlobalBudgetPress",
+            "threshold_budget": "ThresholdBudgetPress"}
 """The budget wrappers' registry names and classes (:mod:`kvpress_phase.presses.budget`)."""
 
 WRAPPED = "phase_aware"

@@ -3,7 +3,8 @@
 - :class:`ChunkedStridePress` (chunked_stride_press.py): fixed windows every ``stride`` tokens, ``k`` entries each;
 - :class:`PhaseAwarePress` (phase_aware_press.py): the same cache length, the row's best tokens;
 - :class:`HeadBudgetPress`, :class:`LayerBudgetPress`, :class:`GlobalBudgetPress` (budget.py): wrappers that spread a
-  ``PhaseAwarePress``'s budget by score across KV heads, layers, or both;
+  ``PhaseAwarePress``'s budget by score across KV heads, layers, or both; :class:`ThresholdBudgetPress` (budget.py):
+  the budget over layers and heads decided layer by layer by a calibrated score threshold;
 - :class:`PerLayerWindowedPress` (per_layer.py): a ratio per layer for any of them;
 - :class:`WindowedDecodingPress` (decoding.py): any of them while generating too.
 
@@ -18,7 +19,7 @@ ragged (:mod:`kvpress_phase.ragged`) in ragged_store.py.
 
 from kvpress_phase.presses.ablations import StaggeredWindowPress
 from kvpress_phase.presses.base import WindowedPress
-from kvpress_phase.presses.budget import GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress
+from kvpress_phase.presses.budget import GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress, ThresholdBudgetPress
 from kvpress_phase.presses.chunked_stride_press import ChunkedStridePress
 from kvpress_phase.presses.decoding import WindowedDecodingPress
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress

@@ -148,13 +148,15 @@ def test_help_is_plain_words_and_no_example_writes_into_the_package(argv, capsys
 
 
 def test_the_command_is_evaluation_commands_and_train():
-    """kvpress-phase (kvpress_phase.cli) composes evaluation's commands and training's train and train-scorer; the
+    """kvpress-phase (kvpress_phase.cli) composes evaluation's commands and training's train, train-scorer and
+    calibrate-scorer; the
     evaluation commands also run alone (python -m kvpress_phase.evaluation.cli), with the same flags."""
     def commands(parser):
         (sub,) = [a for a in parser._actions if a.dest == "command"]
         return list(sub.choices)
 
-    assert commands(cli.build_parser()) == list(evaluation_cli.COMMANDS) + ["train", "train-scorer"]
+    assert commands(cli.build_parser()) == list(evaluation_cli.COMMANDS) + ["train", "train-scorer",
+                                                                                    "calibrate-scorer"]
     assert commands(evaluation_cli.build_parser()) == list(evaluation_cli.COMMANDS)
     argv = ["eval", "--strides", "4,8", "--query-aware", "--output-dir", "o"]
     assert vars(cli.build_parser().parse_args(argv)) == vars(evaluation_cli.build_parser().parse_args(argv))

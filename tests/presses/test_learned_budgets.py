@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 from kvpress import AdaKVPress, KeyDiffPress, ScorerPress
-from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+from kvpress.presses.kvzap_press import KVzapConfig
 from transformers import DynamicCache, pipeline
 
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_scorer
 from kvpress_phase import GlobalBudgetPress, LayerBudgetPress, PhaseAwarePress
 from kvpress_phase.evaluation.presses import (HIDDEN_STATES, REGISTRY, build_press, parse_press_spec, prefill_reads,
                                               query_aware_warning)
@@ -69,23 +69,7 @@ def test_the_refusal_names_what_a_command_line_user_can_do():
     assert all("scorer_path" not in press_settings(name) for name in ("phase_aware", "chunked_stride", "kvzap"))
 
 
-def _scorer_for(model, path, *, layers=None, favour=None):
-    """A linear KVzap scorer written to ``path`` for ``model``'s shape (``layers`` to get it wrong); with ``favour``,
-    every score of that layer is 10 higher (a constant bias) and the others 10 lower."""
-    c = model.config
-    n = layers or c.num_hidden_layers
-    config = KVzapConfig(input_dim=c.hidden_size, output_dim=c.num_key_value_heads, n_modules=n,
-                         source_num_hidden_layers=n, source_hidden_size=c.hidden_size,
-                         source_num_key_value_heads=c.num_key_value_heads, source_model="tiny")
-    torch.manual_seed(0)
-    scorer = KVzapModel(config)
-    if favour is not None:
-        with torch.no_grad():
-            for i, layer in enumerate(scorer.layers):
-                layer.weight.mul_(0.01)
-                layer.bias.fill_(10.0 if i == favour else -10.0)
-    scorer.save_pretrained(path)
-    return str(path)
+_scorer_for = tiny_scorer
 
 
 def test_a_scorer_for_another_model_is_refused_naming_both(tmp_path):

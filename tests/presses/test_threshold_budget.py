@@ -234,3 +234,28 @@ def test_the_dms_threshold_keeps_the_window_and_the_calibrated_share(tmp_path):
         CalibratedDMSPress(target_ratio=1.0)
     with pytest.raises(ValueError, match="LocalKVzapPress"):
         CalibratedDMSPress(KeyDiffPress(), target_ratio=0.5)
+
+
+# ------------------------------------------------------------------------------------------------ registry and command
+def test_the_registry_builds_both_calibrated_presses():
+    from kvpress_phase.evaluation.presses import parse_press_spec
+    from kvpress_phase.evaluation.press_registry import REGISTRY, build_press, matched_ratio
+
+    bare = build_press(parse_press_spec("threshold_budget"), 0.5, 8, None, 0)
+    assert isinstance(bare, ThresholdBudgetPress) and isinstance(bare.press.scorer, LocalKVzapPress)
+    fixed = build_press(parse_press_spec("threshold_budget:threshold=-3.5"), 0.5, 8, None, 0)
+    assert fixed.threshold == -3.5 and not isinstance(fixed.press.scorer, LocalKVzapPress)
+    dms = build_press(parse_press_spec("dms_kvzap:sliding_window_size=64"), 0.5, 8, None, 0,
+                      matched_context_length=1024)
+    assert isinstance(dms, CalibratedDMSPress) and dms.sliding_window_size == 64
+    assert dms.target_ratio == matched_ratio(1024, 8, 0.5)
+    assert REGISTRY["dms_kvzap"].matched and REGISTRY["dms_kvzap"].masks  # a kvpress baseline, masked
+    assert REGISTRY["threshold_budget"].masks and not REGISTRY["threshold_budget"].matched
+
+
+def test_calibrate_scorer_refuses_bad_input_with_exit_code_2(capsys, tmp_path):
+    from kvpress_phase.cli import main
+
+    assert main(["calibrate-scorer", "--model", "smollm2", "--passages", "-1"]) == 2
+    assert main(["calibrate-scorer", "--model", "smollm2", "--scorer", str(tmp_path / "none")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
