@@ -316,6 +316,7 @@ def summarize_group(df: pd.DataFrame, stride: int, *, n_resamples: int = 2000, n
         "phases": present,
         "attention_per_phase": _attention_per_phase(df, stride),
         "cache_length": _clean(float(df["cache_length"].mean())) if "cache_length" in df else None,
+        "cache_bytes": _mean_of(df, "cache_bytes"),
         "achieved_ratio": _mean_of(df, "achieved_ratio"),
         "window_ratio": _mean_of(df, "window_ratio"),
         "per_depth": _per_depth(df),

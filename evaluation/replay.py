@@ -274,7 +274,8 @@ class ReplayEngine:
         needle-attention diagnostic of every press for every span is taken from the answer's first decoding step.
         ``share_scores``: per press, whether its scores may be shared (:meth:`compressed_cache`; none when None).
         Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
-        attends to), ``masses`` (one per needle, or None).
+        attends to), ``cache_bytes`` (what the cache stores through kvpress's pipeline, :func:`stored_bytes`),
+        ``masses`` (one per needle, or None).
         """
         from .decoding import answer_text, cache_signature, decode_tokens
         from .diagnostics import AttentionProbe, needle_mass
@@ -316,6 +317,7 @@ class ReplayEngine:
                 if needles:
                     masses = [needle_mass(rows, state, presses[i], cache, needle, q_len) for needle in needles]
                 out[i] = {"prediction": prediction, "cache_length": _attended_length(cache, masks),
+                          "cache_bytes": stored_bytes(cache, masks, ragged=stores_ragged(presses[i])),
                           "masses": masses}
 
         # Step by step, the presses are decoded in consecutive chunks of batch_size, each chunk's caches grouped by
@@ -435,6 +437,29 @@ def _attended_length(cache, masks) -> float:
         total += batch * heads * n - (int(masks[idx][0].numel()) if masks and idx in masks else 0)
         slots += batch * heads
     return total / max(slots, 1)
+
+
+def stores_ragged(press) -> bool:
+    """Whether ``press``, used through kvpress's pipeline, stores its masked layers ragged (our per-head budget
+    wrappers, :mod:`kvpress_phase.presses.ragged_store`) rather than masked (kvpress's per-head presses)."""
+    return bool(getattr(press, "per_head", False))
+
+
+def stored_bytes(cache, masks, *, ragged: bool) -> int:
+    """Bytes of keys and values ``cache`` holds as the press stores it through kvpress's pipeline after the prefill:
+    masked entries are stored (kvpress's per-head presses keep them), except with ``ragged``, where a layer with
+    masked entries holds only its kept ones and its index (two int32 per KV head, :class:`~kvpress_phase.ragged.
+    RaggedLayer`; no decoding slack). The replay itself decodes with the masks, whatever the storage."""
+    total = 0
+    for idx, layer in enumerate(cache.layers):
+        batch, heads, n = layer.keys.shape[:3]
+        per_entry = layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1] * layer.values.element_size()
+        entries = batch * heads * n
+        if ragged and masks and idx in masks:
+            entries -= int(masks[idx][0].numel())
+            total += 2 * 4 * batch * heads
+        total += entries * per_entry
+    return total
 
 
 def _press_sort_key(press) -> tuple:

@@ -58,6 +58,7 @@ def summary_table(records: list[dict]) -> pd.DataFrame:
             **{column: r.get(column) for column in split},
             "task": r["task"], "length": r.get("context_length"), "press": r["press"],
             "ratio": r["compression_ratio"], "achieved": r.get("achieved_ratio"), "cache": r.get("cache_length"),
+            "cache MiB": None if r.get("cache_bytes") is None else round(r["cache_bytes"] / 2**20, 3),
             "stride": r["stride"],
             "protocol": r["protocol"], "setting": SETTING_LABELS.get(r.get("setting"), r.get("setting") or "-"),
             "mean": r["mean"], "worst": r["worst"], "boundary": r["boundary"],

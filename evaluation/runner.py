@@ -232,6 +232,7 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
                 "answer": list(row["answer"]), "prediction": result["prediction"],
                 "score": score(result["prediction"], row["answer"], unit.task),
                 "cache_length": round(cache_len, 2) if cache_len != int(cache_len) else int(cache_len),
+                "cache_bytes": result["cache_bytes"],
                 "press_ratio": getattr(press, "compression_ratio", 0.0) if press is not None else 0.0,
                 "window_ratio": getattr(press, "window_ratio", None),
                 "achieved_ratio": round(1.0 - cache_len / state.context_length, 6),

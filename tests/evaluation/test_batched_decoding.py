@@ -116,9 +116,10 @@ def test_kvzip_replay_masks_what_kvpress_masks(model, word_tokenizer, row, monke
 
 
 def test_every_registered_press_runs_at_a_matched_cache(model, word_tokenizer, tmp_path):
-    # kvzap needs a scorer shipped for the model's shape, which this tiny model has not (its replay with a scorer
-    # written for it: tests/presses/test_learned_budgets.py)
-    presses = [p for p in REGISTRY if p != "kvzap"] + ["chunk:scorer=keydiff"]
+    # kvzap, dms_kvzap and threshold_budget need a scorer shipped for the model's shape, which this tiny model has not
+    # (their replay with a scorer written for it: tests/presses/test_learned_budgets.py, test_threshold_budget.py;
+    # the last two keep what their scores pass, not a matched count)
+    presses = [p for p in REGISTRY if p not in ("kvzap", "dms_kvzap", "threshold_budget")] + ["chunk:scorer=keydiff"]
     config = EvalConfig(tasks=["niah_single"], presses=presses, compression_ratios=[0.5], strides=[8],
                         context_lengths=[160], samples=1, seed=4, phases=[0, 5], protocol="offset",
                         matched_cache=True)
@@ -251,3 +252,31 @@ def test_fast_decoding_equals_step_by_step(model, word_tokenizer, row, draft):
         assert fast == [reference[i] for i in rows]
     for cache in caches:  # the caches handed in are left as they were
         assert all(layer.keys.shape[2] <= state.context_length for layer in cache.layers)
+
+
+def test_every_answer_records_the_bytes_its_cache_stores():
+    """cache_bytes: a dense press's keys and values; kvpress's per-head press stores every entry (masked ones
+    included); ours stores only the kept entries and two int32 per KV head of a ragged layer's index."""
+    from kvpress import AdaKVPress, KeyDiffPress
+
+    from kvpress_phase import GlobalBudgetPress, PhaseAwarePress, load_builtin_model
+    from kvpress_phase.evaluation.replay import ReplayEngine
+    from kvpress_phase.evaluation.tasks import generate
+
+    model, tokenizer = load_builtin_model()
+    model.set_attn_implementation("sdpa")
+    row = generate("niah_single", tokenizer, n_samples=1, context_length=256, stride=8, phases=[2], seed=4)[0]
+    engine = ReplayEngine(model, tokenizer)
+    encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+    state = engine.prefill(encoded["context_ids"])
+    presses = [None, AdaKVPress(KeyDiffPress(0.75)), GlobalBudgetPress(PhaseAwarePress(0.75))]
+    none, ada, ours = engine.answer_many(state, presses, encoded["questions_ids"][0], 4)
+    layers = len(model.model.layers)
+    heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    per_entry = 2 * dim * 4  # a key and a value, float32
+    n = state.context_length
+    assert none["cache_bytes"] == layers * heads * n * per_entry
+    assert ada["cache_bytes"] == none["cache_bytes"]  # masked: every entry stays stored
+    attended = round(ours["cache_length"] * layers * heads)
+    assert attended * per_entry <= ours["cache_bytes"] <= attended * per_entry + layers * heads * 8
+    assert ours["cache_bytes"] < ada["cache_bytes"] / 2  # ratio 0.75, sink and recent tokens kept besides
