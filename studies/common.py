@@ -161,11 +161,16 @@ def paired_markdown(table: pd.DataFrame, against: str) -> str:
 def read_summaries(runs: list[str]) -> pd.DataFrame:
     """Every cell of the runs' ``summary.json`` (accuracy, phase test, ...), one row per cell and press; ValueError
     naming a run without one."""
+    from kvpress_phase.evaluation.spellings import canonical_label
+
     frames = []
     for run in runs:
         path = os.path.join(run, "summary.json")
         if not os.path.exists(path):
             raise ValueError(f"{run!r} has no summary.json: is it a finished `kvpress-phase eval` output directory?")
         with open(path) as fh:
-            frames.append(pd.DataFrame(json.load(fh)))
+            frame = pd.DataFrame(json.load(fh))
+        if "press" in frame:  # a run written under a former spelling reads under today's labels, as its answers do
+            frame["press"] = frame["press"].map(canonical_label)
+        frames.append(frame)
     return pd.concat(frames, ignore_index=True)

@@ -54,3 +54,23 @@ def test_the_best_baseline_is_chosen_per_cell():
     best = best_baselines(means)
     assert best[("query_aware", "niah_single", 0.75)] == "adakv"
     assert best[("query_aware", "niah_single", 0.25)] == "kvzip_plus"  # ties: the first of BASELINES
+
+
+def test_committed_summaries_read_under_todays_labels():
+    """A run's summary.json written under a former spelling (phase_aware:allocate=...) reads under today's labels, as
+    its answers do, so a study that joins the two (learned_dev's phase tests) finds every press."""
+    import os
+
+    from kvpress_phase.evaluation.presses import parse_press_spec
+    from studies.common import read_summaries
+    from studies.learned_dev import phase_tests
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "outputs",
+                        "learned-dev", "agnostic-s8")
+    summaries = read_summaries([root])
+    labels = set(summaries["press"])
+    assert "layer_budget:scorer=kvzap" in labels and "global_budget:scorer=kvzap" in labels
+    assert not any("allocate=" in label for label in labels)
+    assert all(parse_press_spec(label).label == label for label in labels)  # every label is today's spelling
+    tests = phase_tests([root])
+    assert tests[tests.press == "global_budget:scorer=kvzap"]["p_value"].notna().all()

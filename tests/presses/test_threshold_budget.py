@@ -259,3 +259,13 @@ def test_calibrate_scorer_refuses_bad_input_with_exit_code_2(capsys, tmp_path):
     assert main(["calibrate-scorer", "--model", "smollm2", "--passages", "-1"]) == 2
     assert main(["calibrate-scorer", "--model", "smollm2", "--scorer", str(tmp_path / "none")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_wrappers_that_set_budgets_themselves_refuse_it():
+    from kvpress_phase import PerLayerWindowedPress, WindowedDecodingPress
+
+    press = ThresholdBudgetPress(PhaseAwarePress(0.5), threshold=0.0)
+    with pytest.raises(ValueError, match="ThresholdBudgetPress"):
+        WindowedDecodingPress(press)
+    with pytest.raises(ValueError, match="ThresholdBudgetPress"):
+        PerLayerWindowedPress(press, [0.5, 0.5])
