@@ -11,7 +11,15 @@ Steps, each recorded with its status, duration and figures (a failed step does n
 2. ``kernels``: ``benchmarks/bench_kernels.py``: bfloat16 keys/values (1, 8, N, 128) at N = 8k, 32k and 128k,
    Triton and the reference, with GB/s against a device-to-device copy measured in the same run and the speed-up
    over the reference. Small mode: float32, N = 256, both backends (the interpreter times nothing meaningful).
-3. ``pipeline``: ``ChunkedStridePress`` and ``PhaseAwarePress`` through ``pipeline("kv-press-text-generation")`` on
+3. ``ragged``: ``benchmarks/bench_ragged_attention.py``: one decoding step over a ragged per-head cache with
+   Llama-3.1-8B's attention shapes (32 query heads, 8 KV heads, head dim 128), bfloat16, N = 32k, 64k and 128k
+   context tokens, heads keeping N / 2 on average with a fixed spread: the Triton varlen kernel's time and bandwidth
+   (the kept keys and values read once) against a device-to-device copy of the same bytes in the same run (target
+   >= 60%, reported as met or missed), the PyTorch reference's time and SDPA over the padded dense layout (boolean
+   mask, and unmasked as under kvpress's fake keys) with varlen's speed-up over it. The varlen and the masked outputs
+   must match the reference (max abs difference within 2% of the reference's largest value). Small mode: float32,
+   N = 256, the kernel through the interpreter, outputs checked within 1e-4 (times mean nothing).
+4. ``pipeline``: ``ChunkedStridePress`` and ``PhaseAwarePress`` through ``pipeline("kv-press-text-generation")`` on
    a bfloat16 Llama built from a config (Llama-3.1-8B's attention shapes, 2 layers, random weights) at 8k tokens,
    with sdpa and, where the ``flash_attn`` package is installed, flash-attention 2; each with the Triton and the
    PyTorch backend: every layer's cache length must equal the formula of docs/guide.md ("Exact cache length"), and the two backends' caches must
@@ -21,7 +29,7 @@ Steps, each recorded with its status, duration and figures (a failed step does n
    apart as ``cold`` (a compile or another first use shows there), the others by their median; with every call,
    the compress step alone (CUDA events around each layer's ``press.compress``) and the seconds the garbage
    collector ran during it. Small mode: a tiny float32 model at 128 tokens, sdpa, 2 repeats.
-4. ``eval``: the default evaluation (``kvpress-phase eval`` with no arguments) with ``--device cuda``, with its
+5. ``eval``: the default evaluation (``kvpress-phase eval`` with no arguments) with ``--device cuda``, with its
    answers per second. Small mode: a one-sample, three-press evaluation on the CPU.
 
 The summaries go to ``<output-dir>/gpu_check.json`` and ``<output-dir>/gpu_check.md``. Exit code 0 when every step
@@ -50,7 +58,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (CI)")
     p.add_argument("--output-dir", default=os.path.join("outputs", "gpu-check"))
-    p.add_argument("--steps", default="parity,kernels,pipeline,eval", help="comma-separated subset of the steps")
+    p.add_argument("--steps", default="parity,kernels,ragged,pipeline,eval", help="comma-separated subset of the steps")
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole check (default: 480)")
     return p.parse_args(argv)
 
@@ -121,6 +129,52 @@ def step_kernels(ctx):
               "speedup_vs_torch": None if r["speedup_vs_torch"] is None else float(f"{r['speedup_vs_torch']:.3g}"),
               "max_abs_diff": r["max_abs_diff"]} for r in rows]
     return {"device": measured["device"], "dtype": measured["dtype"], "rows": table}
+
+
+RAGGED_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+"""Largest difference from the reference allowed in the ragged step, over the reference's largest absolute value."""
+
+
+def step_ragged(ctx):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_ragged_attention
+
+    path = os.path.join(ctx["out"], "ragged.json")
+    if ctx["small"]:
+        argv = ["--device", "cpu", "--sizes", "256", "--backends", "triton,torch", "--warmup", "0", "--repeats", "1"]
+    else:
+        argv = ["--device", "cuda", "--dtype", "bfloat16", "--sizes", "32768,65536,131072"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        bench_ragged_attention.main(argv + ["--json", path, "--output", os.path.join(ctx["out"], "ragged.md")])
+    with open(path) as fh:
+        measured = json.load(fh)
+    tol = RAGGED_TOLERANCE[measured["dtype"]]
+    for r in measured["rows"]:
+        if "varlen" not in r:
+            raise AssertionError(f"N = {r['n']}: the Triton varlen kernel did not run")
+        off = {k: d for k, d in r["max_rel_diff"].items() if not d <= tol}
+        if off:
+            raise AssertionError(f"N = {r['n']}: outputs differ from the reference beyond {tol} of its largest value: "
+                                 f"{off}")
+
+    def us(entry, key):
+        return None if entry.get(key) is None else round(entry[key] * 1e6, 1)
+
+    table = [{"n": r["n"], "kept_min": min(r["lengths"]), "kept_mean": round(r["kept_entries"] / len(r["lengths"])),
+              "kept_max": max(r["lengths"]), "padded_length": r["padded_length"],
+              "copy_GB/s": round(r["copy"]["bytes_per_s"] / 1e9, 1),
+              "varlen_us": us(r["varlen"], "call_s"), "varlen_gpu_us": us(r["varlen"], "gpu_s"),
+              "varlen_kernels_us": us(r["varlen"], "kernels_s"),
+              "varlen_GB/s": round(r["varlen"]["bytes_per_s"] / 1e9, 1),
+              "of_copy": round(r["varlen"]["fraction_of_copy"], 3), "target": r["target"],
+              **{f"{b}_us": us(r[b], "call_s") for b in ("reference", "masked_sdpa", "padded_sdpa")},
+              **{f"{b}_gpu_us": us(r[b], "gpu_s") for b in ("reference", "masked_sdpa", "padded_sdpa")},
+              **{f"speedup_vs_{b}": float(f"{r[f'speedup_vs_{b}']['call']:.3g}")
+                 for b in ("reference", "masked_sdpa", "padded_sdpa")},
+              "max_rel_diff": {k: f"{d:.1e}" for k, d in r["max_rel_diff"].items()}, "timed_by": r["timed_by"]}
+             for r in measured["rows"]]
+    return {"device": measured["device"], "dtype": measured["dtype"], "target_of_copy": measured["target_of_copy"],
+            "rows": table}
 
 
 def _config_model(small: bool, attn: str, vocab: int, device: str):
@@ -309,7 +363,8 @@ def step_eval(ctx):
             "answers_per_s": round(answers / seconds, 1)}
 
 
-STEPS = {"parity": step_parity, "kernels": step_kernels, "pipeline": step_pipeline, "eval": step_eval}
+STEPS = {"parity": step_parity, "kernels": step_kernels, "ragged": step_ragged, "pipeline": step_pipeline,
+         "eval": step_eval}
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -335,6 +390,22 @@ def _markdown(summary) -> str:
                 sp = "" if r["speedup_vs_torch"] is None else f"{r['speedup_vs_torch']:.3g}x"
                 lines.append(f"| {r['n']} | {r['op']} | {r['backend']} | {r['us']} | {r['GB/s']} | "
                              f"{r['of_copy']:.0%} | {sp} | {r['max_abs_diff'] or ''} |")
+        elif name == "ragged" and result:
+            lines += [f"{result['device']}, {result['dtype']}; one new token, 32 query heads, 8 KV heads, head dim "
+                      "128; us per call (CUDA events, median) / GPU busy time per call; varlen GB/s: kept K and V "
+                      "read once over its Triton kernels' GPU time; 'of copy' against a device-to-device copy of "
+                      f"the same bytes (target >= {result['target_of_copy']:.0%})", "",
+                      "| N | kept per head min / mean / max | varlen us | GB/s | of copy | target | reference us | "
+                      "masked sdpa us | padded sdpa us | speed-up vs masked / padded | max rel diff |",
+                      "|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+            for r in result["rows"]:
+                cell = {b: f"{r[f'{b}_us']}" + ("" if r[f"{b}_gpu_us"] is None else f" / {r[f'{b}_gpu_us']}")
+                        for b in ("varlen", "reference", "masked_sdpa", "padded_sdpa")}
+                lines.append(f"| {r['n']} | {r['kept_min']} / {r['kept_mean']} / {r['kept_max']} | {cell['varlen']} | "
+                             f"{r['varlen_GB/s']} | {r['of_copy']:.0%} | {r['target']} | {cell['reference']} | "
+                             f"{cell['masked_sdpa']} | {cell['padded_sdpa']} | {r['speedup_vs_masked_sdpa']:.3g}x / "
+                             f"{r['speedup_vs_padded_sdpa']:.3g}x | "
+                             f"{', '.join(f'{k} {d}' for k, d in r['max_rel_diff'].items())} |")
         elif name == "pipeline" and result:
             lines += ["One pipeline call (8 new tokens): seconds, median of the repeats / the cold (first) call of "
                       "that press and backend; compress: every layer's compress step in ms, likewise.", "",
