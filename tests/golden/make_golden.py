@@ -19,7 +19,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SPEC = re.compile(r"(?:phase_aware|chunked_stride|staggered_window|head_budget|layer_budget|global_budget)"
+SPEC = re.compile(r"(?:phase_aware|chunked_stride|staggered_window|head_budget|layer_budget|global_budget|threshold_budget)"
                   r"(?::[a-z_]+=[A-Za-z0-9_.]+)+")
 DOCS = ["RESULTS.md", "README.md", "MODEL_CARD.md", "docs", "notebooks"]
 
@@ -57,9 +57,9 @@ def press_fields(press) -> dict:
     return {"class": type(press).__name__, **out}
 
 
-NOT_ON_BUILTIN = ("scorer=kvzap",)
-"""Spec parts the built-in model cannot answer (no KVzap scorer is shipped for it): such specs are pinned by their
-configuration only (``press_specs.json``), not by built-in answers."""
+NOT_ON_BUILTIN = ("scorer=kvzap", "threshold_budget")
+"""Spec parts the built-in model cannot answer (no KVzap scorer is shipped for it; ``threshold_budget`` uses it by
+default): such specs are pinned by their configuration only (``press_specs.json``), not by built-in answers."""
 
 
 def golden_config(specs: list[str]):
