@@ -1,0 +1,247 @@
+"""The ratio-regimes dev round's decision rule (studies/regimes.py) on made-up cells and made-up run folders: a
+per-ratio recommendation with one switch, one press where it holds everywhere, a flat test that drops a candidate,
+T in G's place where they tie, and a round with a run missing that prints no decision."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+
+import pandas as pd
+import pytest
+
+from kvpress_phase.evaluation.config import SETTINGS, EvalConfig
+from kvpress_phase.evaluation.store import record_key
+
+from studies import regimes
+from studies.regimes import (BASELINES, DEV, G, G_FLOOR, MATCHED, OURS, REFERENCE, SHARE_HEADS, D,
+                             Design, T, decide, read_cost_table)
+
+HIGH, LOW = 0.8, 0.5
+
+
+def _cells(design: Design = DEV) -> list[tuple]:
+    """The dev cells of one ratio, both models: (model, setting, task, length)."""
+    return list(itertools.product(design.models, design.settings, design.tasks, design.lengths))
+
+
+def _means(near: dict, design: Design = DEV) -> pd.DataFrame:
+    """Made-up cell means: ``kvzip`` is the best baseline at 0.8 in every cell (the other baselines 0.5); a press of
+    ours is at 0.8 in the first ``near[press][ratio]`` cells of the ratio and at 0.5 (0.3 below the best) in the
+    rest."""
+    rows = []
+    for ratio in design.ratios:
+        for i, (model, setting, task, length) in enumerate(_cells(design)):
+            cell = {"model": model, "setting": setting, "task": task, "context_length": length,
+                    "compression_ratio": ratio, "texts": 16}
+            for press in BASELINES:
+                rows.append({**cell, "press": press, "mean": HIGH if press == "kvzip" else LOW})
+            for press in OURS + (MATCHED,):
+                k = near.get(press, {}).get(ratio, 0)
+                rows.append({**cell, "press": press, "mean": HIGH if i < k else LOW})
+    return pd.DataFrame(rows)
+
+
+def _tests(p: dict | None = None, design: Design = DEV) -> pd.DataFrame:
+    rows = []
+    for ratio, (model, setting, task, length), stride, press in itertools.product(
+            design.ratios, _cells(design), design.strides, OURS):
+        rows.append({"model": model, "setting": setting, "task": task, "context_length": length,
+                     "compression_ratio": ratio, "stride": stride, "press": press,
+                     "p_value": (p or {}).get(press, 0.5)})
+    return pd.DataFrame(rows)
+
+
+BYTES = {MATCHED: 12.30, REFERENCE: 12.30, D: 12.30, G: 12.31, G_FLOOR: 12.31, T: 12.31, SHARE_HEADS: 12.30}
+PREFILLS = {MATCHED: 0.013, REFERENCE: 0.012, D: 0.024, G: 0.030, G_FLOOR: 0.031, T: 0.035, SHARE_HEADS: 0.014}
+
+
+def _costs(design: Design = DEV, **change) -> dict:
+    out = {}
+    for model in design.models:
+        out[model] = {p: {"bytes": BYTES[p], "prefills": PREFILLS[p]} for p in BYTES}
+        for press, value in change.items():
+            out[model][press] = {**out[model][press], **value}
+    return out
+
+
+def _shares(multiple: float = 1.0, design: Design = DEV) -> pd.DataFrame:
+    return pd.DataFrame([{"model": m, "ratio": "all", "answers": 1, "press": multiple, "against": 1.0,
+                          "multiple": multiple} for m in design.models])
+
+
+def _every(k: int) -> dict:
+    return {r: k for r in DEV.ratios}
+
+
+def test_a_press_winning_at_low_ratios_and_another_at_high_ratios_switch_once():
+    near = {REFERENCE: {0.25: 24, 0.5: 24, 0.75: 0}, G: {0.25: 0, 0.5: 3, 0.75: 24}, T: {0.75: 20}}
+    out = decide(_means(near), _tests(), _costs(), _shares())
+    assert "No candidate is within 2 cells of the best at every ratio" in out
+    assert f"- ratio 0.25: `{REFERENCE}` (24/24)" in out and f"- ratio 0.75: `{G}` (24/24)" in out
+    assert "G stays; T costs 4 cells" in out  # rule 5: G's 24 against T's 20 is no tie
+    assert (f"**Recommendation: `{REFERENCE}` below ratio 0.75 (ratios 0.25, 0.5), `{G}` from ratio 0.75 "
+            "(ratios 0.75).**") in out
+
+
+def test_one_press_within_two_cells_at_every_ratio_is_the_recommendation_everywhere():
+    near = {REFERENCE: {0.25: 22, 0.5: 24, 0.75: 24}, G: {0.25: 24, 0.5: 10, 0.75: 10}}
+    out = decide(_means(near), _tests(), _costs(), _shares())
+    assert f"- ratio 0.25: `{G}` (24/24)" in out  # rule 3 alone would switch
+    assert f"`{REFERENCE}` is within 2 cells of the best at every ratio" in out
+    assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
+    # three cells short at one ratio and it no longer holds: the per-ratio picks stand
+    near[REFERENCE][0.25] = 21
+    out = decide(_means(near), _tests(), _costs(), _shares())
+    assert f"**Recommendation: `{G}` below ratio 0.5 (ratios 0.25), `{REFERENCE}` from ratio 0.5" in out
+
+
+def test_a_tie_within_one_cell_goes_to_the_lower_bytes():
+    near = {REFERENCE: _every(23), G: _every(24)}
+    out = decide(_means(near), _tests(), _costs(), _shares())
+    assert f"to `{REFERENCE}` by 1.000x bytes" in out
+    assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
+    near = {REFERENCE: _every(22), G: _every(24)}  # two cells apart: no tie
+    assert f"**Recommendation: `{G}` at every ratio.**" in decide(_means(near), _tests(), _costs(), _shares())
+
+
+def test_a_phase_test_that_fires_after_holm_drops_the_candidate():
+    near = {REFERENCE: _every(10), G: _every(24)}
+    out = decide(_means(near), _tests({G: 0.0001}), _costs(), _shares())  # 144 x 0.0001 < 0.05
+    assert f"`{G}` is dropped by rule 1" in out
+    assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
+    tests = _tests()
+    tests.loc[(tests.press == G) & (tests.stride == 8) & (tests.task == "niah_single")
+              & (tests.compression_ratio == 0.25) & (tests.model == "smollm2")
+              & (tests.setting == SETTINGS[False]) & (tests.context_length == 1024), "p_value"] = 0.001
+    out = decide(_means(near), tests, _costs(), _shares())  # one test at 0.001: 0.144 after Holm, flat
+    assert "is dropped by rule 1" not in out and f"**Recommendation: `{G}` at every ratio.**" in out
+
+
+def test_cost_bytes_and_entries_drop_a_candidate():
+    near = {REFERENCE: _every(10), G: _every(24), T: _every(24)}
+    out = decide(_means(near), _tests(), _costs(), _shares())
+    assert "T ties G" in out and f"**Recommendation: `{T}` at every ratio.**" in out  # rule 5
+    out = decide(_means(near), _tests(), _costs(), _shares(1.08))
+    assert f"`{T}` is dropped by rule 2" in out and "1.080x G's entries > 1.05x" in out
+    assert f"**Recommendation: `{G}` at every ratio.**" in out
+    out = decide(_means(near), _tests(), _costs(**{G: {"bytes": 13.0}, T: {"prefills": 0.2}}), _shares())
+    assert f"`{G}` is dropped by rule 2" in out and f"`{T}` is dropped by rule 2" in out
+    assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
+
+
+def test_a_non_monotone_pick_is_resolved_to_one_switch():
+    near = {REFERENCE: {0.25: 24, 0.5: 0, 0.75: 24}, D: {0.25: 0, 0.5: 24, 0.75: 12}}
+    out = decide(_means(near), _tests(), _costs(), _shares())
+    assert f"Rule 3's picks (`{REFERENCE}`, `{D}`, `{REFERENCE}`) switch more than once" in out
+    # (phase_aware, D, D), (phase_aware x 3) and (D, D, phase_aware) keep two picks each; the first has 60 cells
+    assert (f"**Recommendation: `{REFERENCE}` below ratio 0.5 (ratios 0.25), `{D}` from ratio 0.5 (ratios 0.5, "
+            "0.75).**") in out
+    with pytest.raises(ValueError, match="switches at most once"):
+        regimes.recommendation_text([REFERENCE, D, REFERENCE], DEV.ratios)
+
+
+def test_cost_tables_read_the_ragged_column_for_ours(tmp_path):
+    path = tmp_path / "cost.md"
+    path.write_text("| press | compress step (ms) | in prefills | cache MiB | ragged MiB | attended |\n"
+                    "|---|---|---|---|---|---|\n"
+                    f"| `{MATCHED}` | 30.0 | 0.013 | 12.30 | 12.30 | 280.0 |\n"
+                    f"| `{G}` | 60.0 | 0.026 | 45.00 | 12.31 | 280.0 |\n"
+                    "| `adakv` | 15.9 | 0.007 | 45.00 | 12.31 | 280.0 |\n")
+    assert read_cost_table(str(path))[G] == {"prefills": 0.026, "cache_mib": 45.0, "ragged_mib": 12.31}
+    costs = regimes.read_costs([f"smollm2={path}"])
+    assert costs["smollm2"][G]["bytes"] == 12.31 and costs["smollm2"]["adakv"]["bytes"] == 45.0
+    with pytest.raises(ValueError, match="give MODEL=FILE"):
+        regimes.read_costs([str(path)])
+    with pytest.raises(ValueError, match="not a model of the round"):
+        regimes.read_costs([f"llama={path}"])
+    old = tmp_path / "old.md"
+    old.write_text("| press | compress step (ms) | in prefills | cache MiB | attended |\n|---|---|---|---|---|\n"
+                   f"| `{G}` | 60.0 | 0.026 | 45.00 | 280.0 |\n")
+    with pytest.raises(ValueError, match="without the \"ragged MiB\" column"):
+        regimes.read_costs([f"smollm2={old}"])
+
+
+# ---------------------------------------------------------------------------------------- made-up run folders
+TINY = Design(models=("smollm2",), settings=(SETTINGS[False],), stride_seeds=((2, 10), (3, 15)), lengths=(256,),
+              tasks=("niah_single", "niah_multikey", "niah_multivalue"), ratios=(0.25, 0.75), samples=2,
+              presses=("no_press", MATCHED) + OURS + ("keydiff", "kvzip"))
+SCORES = {0.25: {REFERENCE: 1.0, "keydiff": 1.0}, 0.75: {G: 1.0, T: 1.0, "kvzip": 1.0}}
+"""Made-up answers: every press answers right where named here, wrong elsewhere (no_press always right)."""
+
+
+def _run(root, stride: int, answered: int | None = None, design: Design = TINY) -> str:
+    """A run folder of ``design`` at ``stride``: config.json, a results shard (its first ``answered`` answers) and
+    summary.json (every phase test p = 0.9)."""
+    seed = dict(design.stride_seeds)[stride]
+    folder = os.path.join(root, f"agnostic-s{stride}-{design.lengths[0]}")
+    os.makedirs(os.path.join(folder, "results"))
+    config = EvalConfig(model=design.models[0], tasks=list(design.tasks), presses=list(design.presses),
+                        compression_ratios=list(design.ratios), strides=[stride], protocol="offset",
+                        context_lengths=list(design.lengths), samples=design.samples, seed=seed, matched_cache=True)
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump({"config": dataclasses.asdict(config), "fingerprint": config.fingerprint()}, fh)
+    records, summary = [], []
+    for task, press in itertools.product(design.tasks, design.presses):
+        for ratio in ([0.0] if press == "no_press" else design.ratios):
+            summary.append({"task": task, "context_length": design.lengths[0], "press": press,
+                            "compression_ratio": ratio, "stride": stride, "protocol": "offset",
+                            "setting": SETTINGS[False], "mean": 0.5, "p_value": 0.9})
+            for sample, phase in itertools.product(range(design.samples), range(stride)):
+                right = press == "no_press" or SCORES[ratio].get(press, 0.0)
+                cache = 256 * (1 - ratio) * (1.02 if press == T else 1.0)
+                record = {"task": task, "context_length": design.lengths[0], "stride": stride,
+                          "window": None, "protocol": "offset", "sample_id": sample, "phase": phase, "press": press,
+                          "compression_ratio": ratio, "setting": SETTINGS[False], "seed": seed,
+                          "score": float(right), "cache_length": 256.0 if press == "no_press" else cache}
+                records.append({**record, "key": record_key(record)})
+    with open(os.path.join(folder, "results", "rank0.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records[:answered])
+    with open(os.path.join(folder, "summary.json"), "w") as fh:
+        json.dump(summary, fh)
+    return folder
+
+
+def _cost_file(root) -> str:
+    path = os.path.join(root, "cost.md")
+    with open(path, "w") as fh:
+        fh.write("| press | compress step (ms) | in prefills | cache MiB | ragged MiB | attended |\n"
+                 "|---|---|---|---|---|---|\n")
+        fh.writelines(f"| `{p}` | 1.0 | {PREFILLS[p]} | {BYTES[p]} | {BYTES[p]} | 1.0 |\n" for p in BYTES)
+    return path
+
+
+def test_a_missing_or_unfinished_run_leaves_the_decision_pending(tmp_path, capsys):
+    first = _run(str(tmp_path), 2)
+    cost = ["--cost", f"smollm2={_cost_file(str(tmp_path))}"]
+    missing = os.path.join(str(tmp_path), "agnostic-s3-256")
+    assert regimes.main([first, missing] + cost, design=TINY) == 0
+    out = capsys.readouterr().out
+    assert "**decision pending: 1 of 2 runs finished.**" in out and "Recommendation" not in out
+    assert f"`{missing}`" in out and "(not started)" in out
+    assert "| smollm2 | 6 of 6 | 0 of 6 |" in out  # every cell answered, none by both strides yet
+    # the second run under way: still pending
+    second = _run(str(tmp_path), 3, answered=40)
+    assert regimes.main([first, second] + cost, design=TINY) == 0
+    out = capsys.readouterr().out
+    assert "**decision pending: 1 of 2 runs finished.**" in out and "40 / " in out and "(under way)" in out
+    # finished: the decision, phase_aware below 0.75 and T (tied with G, rule 5) from 0.75
+    shutil.rmtree(second)
+    second = _run(str(tmp_path), 3)
+    assert regimes.main([first, second], design=TINY) == 0
+    assert "decision pending: cost and bytes not measured for smollm2" in capsys.readouterr().out
+    assert regimes.main([first, second] + cost, design=TINY) == 0
+    out = capsys.readouterr().out
+    assert "pending" not in out and "1.020x" in out
+    assert f"**Recommendation: `{REFERENCE}` below ratio 0.75 (ratios 0.25), `{T}` from ratio 0.75" in out
+
+
+def test_a_run_of_another_configuration_is_refused_by_name(tmp_path, capsys):
+    folder = _run(str(tmp_path), 2)
+    other = Design(**{**dataclasses.asdict(TINY), "stride_seeds": ((2, 11), (3, 15))})
+    assert regimes.main([folder], design=other) == 2
+    err = capsys.readouterr().err
+    assert folder in err and "seed at stride 2: 10, the round's 11" in err
