@@ -1,6 +1,7 @@
-"""The ratio-regimes dev round's decision rule (studies/regimes.py) on made-up cells and made-up run folders: a
-per-ratio recommendation with one switch, one press where it holds everywhere, a flat test that drops a candidate,
-T in G's place where they tie, and a round with a run missing that prints no decision."""
+"""The ratio-regimes dev round's decision rule (studies/regimes_rules.py, its inputs studies/regimes_runs.py, its
+command line studies/regimes.py) on made-up cells and made-up run folders: a per-ratio recommendation with one switch,
+one press where it holds everywhere, a flat test that drops a candidate, T in G's place where they tie, and a round
+with a run missing that prints no decision."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import pytest
 from kvpress_phase.evaluation.config import SETTINGS, EvalConfig
 from kvpress_phase.evaluation.store import record_key
 
-from studies import regimes
-from studies.regimes import (BASELINES, DEV, G, G_FLOOR, MATCHED, OURS, REFERENCE, SHARE_HEADS, D,
-                             Design, T, decide, read_cost_table)
+from studies import regimes, regimes_rules, regimes_runs
+from studies.regimes_rules import decide
+from studies.regimes_runs import (BASELINES, DEV, G, G_FLOOR, MATCHED, OURS, REFERENCE, SHARE_HEADS, D, Design, T,
+                                  read_cost_table)
 
 HIGH, LOW = 0.8, 0.5
 
@@ -141,7 +143,7 @@ def test_a_non_monotone_pick_is_resolved_to_one_switch():
     assert (f"**Recommendation: `{REFERENCE}` below ratio 0.5 (ratios 0.25), `{D}` from ratio 0.5 (ratios 0.5, "
             "0.75).**") in out
     with pytest.raises(ValueError, match="switches at most once"):
-        regimes.recommendation_text([REFERENCE, D, REFERENCE], DEV.ratios)
+        regimes_rules.recommendation_text([REFERENCE, D, REFERENCE], DEV.ratios)
 
 
 def test_cost_tables_read_the_ragged_column_for_ours(tmp_path):
@@ -152,17 +154,17 @@ def test_cost_tables_read_the_ragged_column_for_ours(tmp_path):
                     f"| `{G}` | 60.0 | 0.026 | 45.00 | 12.31 | 280.0 |\n"
                     "| `adakv` | 15.9 | 0.007 | 45.00 | 12.31 | 280.0 |\n")
     assert read_cost_table(str(path))[G] == {"prefills": 0.026, "cache_mib": 45.0, "ragged_mib": 12.31}
-    costs = regimes.read_costs([f"smollm2={path}"])
+    costs = regimes_runs.read_costs([f"smollm2={path}"])
     assert costs["smollm2"][G]["bytes"] == 12.31 and costs["smollm2"]["adakv"]["bytes"] == 45.0
     with pytest.raises(ValueError, match="give MODEL=FILE"):
-        regimes.read_costs([str(path)])
+        regimes_runs.read_costs([str(path)])
     with pytest.raises(ValueError, match="not a model of the round"):
-        regimes.read_costs([f"llama={path}"])
+        regimes_runs.read_costs([f"llama={path}"])
     old = tmp_path / "old.md"
     old.write_text("| press | compress step (ms) | in prefills | cache MiB | attended |\n|---|---|---|---|---|\n"
                    f"| `{G}` | 60.0 | 0.026 | 45.00 | 280.0 |\n")
     with pytest.raises(ValueError, match="without the \"ragged MiB\" column"):
-        regimes.read_costs([f"smollm2={old}"])
+        regimes_runs.read_costs([f"smollm2={old}"])
 
 
 # ---------------------------------------------------------------------------------------- made-up run folders
