@@ -161,8 +161,8 @@ def _budget(name: str):
             raise ValueError(f"press={inner!r}: {WRAPPERS[name]} spreads a PhaseAwarePress's budget, press={WRAPPED} "
                              "(the default)")
         own = {key: options.pop(key) for key in _wrapper_fields(name) if key in options}
-        if name == "threshold_budget" and "threshold" not in own:
-            options.setdefault("scorer", "kvzap")  # the calibrated threshold is the learned scorer's
+        if REGISTRY[name].default_scorer:  # threshold_budget: the learned scorer, whose text calibrates it
+            options.setdefault("scorer", REGISTRY[name].default_scorer)
         return cls(_phase_aware(options, a), **own)
     return build
 
@@ -207,7 +207,7 @@ def _dms_kvzap(options: dict, a: BuildArgs):
     ratio (:class:`~kvpress_phase.presses.learned_scorer.CalibratedDMSPress`)."""
     from kvpress_phase.presses.learned_scorer import CalibratedDMSPress, LocalKVzapPress
 
-    return CalibratedDMSPress(LocalKVzapPress(), target_ratio=a.base_ratio, **options)
+    return CalibratedDMSPress(LocalKVzapPress(), target_ratio=a.base_ratio)
 
 
 def _chunk(class_name: str, default_scorer: str):
@@ -249,9 +249,9 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                masks=True, grid_offset=True, trainable=True, in_default_job=False, setting_names=_wrapper_settings("global_budget"),
                wraps=WRAPPED, example="global_budget:floor=0.25:scorer=kvzap"),
     PressEntry("threshold_budget", "ThresholdBudgetPress(PhaseAwarePress): its raw-token budget over layers and KV "
-               "heads decided layer by layer, by a score threshold calibrated on the learned scorer's text (the "
-               "scorer is kvzap unless threshold= is given)", _budget("threshold_budget"), settings="fields",
-               masks=True, grid_offset=True, in_default_job=False, setting_names=_wrapper_settings("threshold_budget"),
+               "heads decided layer by layer, by a score threshold calibrated on the learned scorer's text (scorer "
+               "kvzap by default)", _budget("threshold_budget"), settings="fields", masks=True, grid_offset=True,
+               in_default_job=False, default_scorer="kvzap", setting_names=_wrapper_settings("threshold_budget"),
                wraps=WRAPPED, example="threshold_budget:floor=0.25"),
     PressEntry("staggered_window", "StaggeredWindowPress: a fixed budget per window on grids staggered per head, "
                "aligned to the scores or overlapping (the studies' ablations)",
@@ -292,8 +292,7 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
     PressEntry("dms_kvzap", "kvpress DMSPress(KVzapPress) with the scorer shipped for the model, as kvpress pairs them "
                "(entries scored below a threshold masked, the last 128 tokens kept); the threshold from the scorer's "
                "calibration for the ratio, so what each context keeps follows its scores", _dms_kvzap,
-               reads=frozenset({HIDDEN_STATES}), settings="fields", masks=True, matched=True, in_default_job=False,
-               setting_names=lambda options: ("sliding_window_size",), example="dms_kvzap:sliding_window_size=64"),
+               reads=frozenset({HIDDEN_STATES}), masks=True, matched=True, in_default_job=False),
 ]}
 """Every press the evaluation can run, by name (the CLI's ``list`` prints them in this order)."""
 

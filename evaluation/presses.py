@@ -111,7 +111,7 @@ def shares_scores(spec: PressSpec) -> bool:
         return entry.shared_scores
     if entry.settings == "scorer":
         return False
-    scorer = dict(spec.options).get("scorer", "keydiff")
+    scorer = dict(spec.options).get("scorer", entry.default_scorer or "keydiff")
     return scorer in REGISTRY and REGISTRY[scorer].shared_scores
 
 

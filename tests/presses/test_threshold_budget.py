@@ -244,13 +244,20 @@ def test_the_registry_builds_both_calibrated_presses():
     bare = build_press(parse_press_spec("threshold_budget"), 0.5, 8, None, 0)
     assert isinstance(bare, ThresholdBudgetPress) and isinstance(bare.press.scorer, LocalKVzapPress)
     fixed = build_press(parse_press_spec("threshold_budget:threshold=-3.5"), 0.5, 8, None, 0)
-    assert fixed.threshold == -3.5 and not isinstance(fixed.press.scorer, LocalKVzapPress)
-    dms = build_press(parse_press_spec("dms_kvzap:sliding_window_size=64"), 0.5, 8, None, 0,
-                      matched_context_length=1024)
-    assert isinstance(dms, CalibratedDMSPress) and dms.sliding_window_size == 64
+    assert fixed.threshold == -3.5 and isinstance(fixed.press.scorer, LocalKVzapPress)
+    keydiff = build_press(parse_press_spec("threshold_budget:scorer=keydiff:threshold=0.1"), 0.5, 8, None, 0)
+    assert not isinstance(keydiff.press.scorer, LocalKVzapPress)
+    dms = build_press(parse_press_spec("dms_kvzap"), 0.5, 8, None, 0, matched_context_length=1024)
+    assert isinstance(dms, CalibratedDMSPress) and dms.sliding_window_size == 128  # kvpress's window
     assert dms.target_ratio == matched_ratio(1024, 8, 0.5)
     assert REGISTRY["dms_kvzap"].matched and REGISTRY["dms_kvzap"].masks  # a kvpress baseline, masked
     assert REGISTRY["threshold_budget"].masks and not REGISTRY["threshold_budget"].matched
+    # the replay records what the learned scores read, and shares them between ratios as kvzap's
+    from kvpress_phase.evaluation.presses import HIDDEN_STATES, prefill_reads, shares_scores
+
+    for text in ("threshold_budget", "dms_kvzap"):
+        assert HIDDEN_STATES in prefill_reads(parse_press_spec(text)), text
+    assert shares_scores(parse_press_spec("threshold_budget")) and not shares_scores(parse_press_spec("dms_kvzap"))
 
 
 def test_calibrate_scorer_refuses_bad_input_with_exit_code_2(capsys, tmp_path):
