@@ -22,28 +22,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import statistics
 import sys
 
 import torch
 
+from bench_capture_memory import _reset_peak, _status
 from bench_decode_step import cpu_name, parse_list
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise ValueError(f"{field} is not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    return _status("VmRSS")
 
 
 def make_press(kind: str, ratio: float, stride: int):
