@@ -77,6 +77,13 @@ def test_each_built_in_model_ships_with_its_card(wheel, model):
         assert f"kvpress_phase/{model}/{name}" in names
 
 
+@pytest.mark.parametrize("folder", ["smollm2", "qwen2_5_coder_0_5b"])
+def test_each_shipped_scorer_ships_with_its_calibration(wheel, folder):
+    names, _, _ = wheel  # thresholds.json: what threshold_budget and dms_kvzap read
+    for name in ["config.json", "model.safetensors", "thresholds.json"]:
+        assert f"kvpress_phase/scorers/{folder}/{name}" in names
+
+
 def test_files_only_a_checkout_reads_stay_out(wheel):
     names, _, _ = wheel
     assert not [n for n in names if n.endswith(".png")]  # loss curves: read by the repository's cards only
