@@ -70,14 +70,15 @@ def status_markdown(round_: Round, design: Design = DEV) -> str:
         if not len(part):
             lines.append(f"| {model} | 0 of {per_model} | 0 of {per_model} |")
             continue
-        full = design.texts_per_cell()
         texts = part[CELL + ["press", "stride", "sample_id"]].drop_duplicates().groupby(CELL + ["press"]).size()
         phases = part.groupby(CELL + ["press"]).size()
-        want = design.samples * sum(design.strides)
         compressing = [p for p in design.presses if p != "no_press"]
         complete = 0
         for cell, block in phases.groupby(level=CELL):
             by_press = block.droplevel(CELL)
+            _, setting, _, length, _ = cell
+            full = design.texts_per_cell(model, setting, length)
+            want = design.phases_per_cell(model, setting, length)
             if all(by_press.get(p, 0) >= want and texts.get(cell + (p,), 0) >= full for p in compressing):
                 complete += 1
         present = part[CELL].drop_duplicates().shape[0]
@@ -130,7 +131,7 @@ def cells_markdown(means: pd.DataFrame, best: pd.DataFrame, design: Design = DEV
 def paired_with_best(records: pd.DataFrame, best: pd.DataFrame, presses: tuple = OURS) -> pd.DataFrame:
     """Each of ``presses`` minus the best baseline of each cell, one value per text (its mean over its phases),
     pooled per model and ratio (``model`` a name) and per ratio over the models (``model`` "both"): mean, 95% t
-    interval, texts."""
+    interval, texts, and the standard deviation of a text's difference (``sd``)."""
     texts = text_means(records)
     rows = []
     for press in presses:
@@ -152,10 +153,10 @@ def paired_with_best(records: pd.DataFrame, best: pd.DataFrame, presses: tuple =
         groups = [((m, r), d) for (m, r), d in diffs.groupby(["model", "ratio"])]
         groups += [(("both", r), d) for r, d in diffs.groupby("ratio")]
         for (model, ratio), d in groups:
-            n, mean = len(d), d["diff"].mean()
-            half = stats.t.ppf(0.975, n - 1) * d["diff"].std(ddof=1) / np.sqrt(n) if n > 1 else float("nan")
+            n, mean, sd = len(d), d["diff"].mean(), d["diff"].std(ddof=1)
+            half = stats.t.ppf(0.975, n - 1) * sd / np.sqrt(n) if n > 1 else float("nan")
             rows.append({"press": press, "model": model, "ratio": ratio, "n": n, "diff": mean, "low": mean - half,
-                         "high": mean + half})
+                         "high": mean + half, "sd": sd})
     return pd.DataFrame(rows)
 
 
@@ -176,47 +177,62 @@ def paired_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def detectable(n: int) -> float:
-    """The difference a mean over ``n`` paired texts detects with 80% power at two-sided 0.05, its standard error
-    bounded by 0.5/sqrt(n) (a difference in [-1, 1])."""
-    return (stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) * 0.5 / math.sqrt(n) if n else float("nan")
+SPREAD = 0.41
+"""The standard deviation of a text's difference to its cell's best baseline, pooled per model and ratio, in the
+earlier real-model runs (R7's and R8's, ``python -m studies.regimes_sizing``): the largest of its means over the
+presses of ours per run and ratio (ratio 0.75 on SmolLM2). The pre-registration's deviation 1 sizes the round with
+it."""
+
+
+def detectable(n: int, sd: float = 0.5) -> float:
+    """The difference a mean over ``n`` paired texts detects with 80% power at two-sided 0.05 when a text's
+    difference has standard deviation ``sd``; the default 0.5 bounds it for any difference in [-1, 1]."""
+    return (stats.norm.ppf(0.975) + stats.norm.ppf(0.8)) * sd / math.sqrt(n) if n else float("nan")
 
 
 def detect_markdown(records: pd.DataFrame, design: Design = DEV) -> str:
-    """The pre-registration's figures with the texts actually present (a text counts where it has answers)."""
+    """The pre-registration's figures (as deviation 1 sizes the round) with the texts actually present (a text counts
+    where it has answers)."""
     compressed = records[records.compression_ratio > 0] if len(records) else records
     texts = compressed[TEXT].drop_duplicates() if len(compressed) else pd.DataFrame(columns=TEXT)
     per_cell = texts.groupby(CELL).size()
     per_model_ratio = texts.groupby(["model", "compression_ratio"]).size()
     per_ratio = texts.groupby("compression_ratio").size()
-    planned_cell = design.texts_per_cell()
-    planned_model_ratio = planned_cell * len(design.settings) * len(design.tasks) * len(design.lengths)
-    planned_ratio = planned_model_ratio * len(design.models)
+
+    def figures(n) -> str:
+        return f"{fmt_number(detectable(n), 2)} / {fmt_number(detectable(n, SPREAD), 2)}"
+
+    def span(values) -> tuple:
+        low, high = int(min(values)), int(max(values))
+        return (f"{low}" if low == high else f"{low}-{high}",
+                figures(low) if low == high else f"{figures(high)} to {figures(low)}")
+
+    cells = [design.texts_per_cell(m, st, n)
+             for m in design.models for st in design.settings for n in design.lengths]
+    planned, planned_figures = span(cells)
     lines = ["| unit | texts planned | detectable (planned) | texts present | detectable (present) |",
              "|---|---|---|---|---|"]
     if len(per_cell):
-        low, high = int(per_cell.min()), int(per_cell.max())
-        present = f"{low}" if low == high else f"{low}-{high}"
-        figure = fmt_number(detectable(low), 2) if low == high else \
-            f"{fmt_number(detectable(high), 2)}-{fmt_number(detectable(low), 2)}"
-        lines.append(f"| a cell ({len(per_cell)} cells with answers) | {planned_cell} | "
-                     f"{detectable(planned_cell):.2f} | {present} | {figure} |")
+        present, present_figures = span(per_cell)
+        lines.append(f"| a cell ({len(per_cell)} cells with answers) | {planned} | {planned_figures} | {present} | "
+                     f"{present_figures} |")
     else:
-        lines.append(f"| a cell | {planned_cell} | {detectable(planned_cell):.2f} | 0 | - |")
+        lines.append(f"| a cell | {planned} | {planned_figures} | 0 | - |")
     for model in design.models:
+        want = design.texts_planned(model)
         for ratio in design.ratios:
             n = int(per_model_ratio.get((model, ratio), 0))
-            lines.append(f"| {model}, ratio {ratio:g} | {planned_model_ratio} | "
-                         f"{detectable(planned_model_ratio):.2f} | {n} | {fmt_number(detectable(n), 2)} |")
+            lines.append(f"| {model}, ratio {ratio:g} | {want} | {figures(want)} | {n} | {figures(n) if n else '-'} |")
+    want = design.texts_planned()
     for ratio in design.ratios:
         n = int(per_ratio.get(ratio, 0))
-        lines.append(f"| ratio {ratio:g}, both models | {planned_ratio} | {detectable(planned_ratio):.2f} | {n} | "
-                     f"{fmt_number(detectable(n), 2)} |")
+        lines.append(f"| ratio {ratio:g}, both models | {want} | {figures(want)} | {n} | {figures(n) if n else '-'} |")
     lines += ["", "Detectable: the difference to a cell's best baseline found with 80% power at two-sided 0.05, "
-              "(z(0.975) + z(0.8)) x 0.5 / sqrt(texts) (the standard error of a mean difference in [-1, 1] is at "
-              "most 0.5/sqrt(n)). Texts of one sample are not independent across settings and lengths: the pooled "
-              "figures are bounds. The \"within 0.03\" count of rule 3 is noisy at 16 texts a cell: it ranks the "
-              "candidates, and the fresh split reports the target."]
+              "(z(0.975) + z(0.8)) x sd / sqrt(texts), first with sd = 0.5 (a bound for any difference in [-1, 1]), "
+              f"then with sd = {SPREAD} (the spread of a text's difference in the earlier real-model runs, "
+              "`python -m studies.regimes_sizing`). Texts of one sample are not independent across settings and "
+              "lengths: the pooled figures are bounds. The \"within 0.03\" count of rule 3 is noisy at a few texts "
+              "a cell: it ranks the candidates, and the fresh split reports the target."]
     return "\n".join(lines)
 
 

@@ -59,7 +59,9 @@ PRESSES = ("no_press", MATCHED, REFERENCE, SHARE_HEADS, D, G, G_FLOOR, T, "snapk
 @dataclasses.dataclass(frozen=True)
 class Design:
     """What the dev round plans: a run per model, setting, stride (with its seed) and context length, each answering
-    ``samples`` per phase of every task at every ratio with every press."""
+    ``samples`` per phase of every task at every ratio with every press; ``samples_by_run`` gives runs planned with
+    another count (``((model, setting, stride, length), samples)``: the round's first run, begun before the
+    pre-registration's deviation 1 and finished as begun, answers 8)."""
 
     models: tuple = ("smollm2", "qwen2.5-coder-0.5b")
     settings: tuple = (SETTINGS[False], SETTINGS[True])
@@ -67,8 +69,9 @@ class Design:
     lengths: tuple = (1024, 2048)
     tasks: tuple = ("niah_single", "niah_multikey", "niah_multivalue")
     ratios: tuple = (0.25, 0.5, 0.75)
-    samples: int = 8
+    samples: int = 3
     presses: tuple = PRESSES
+    samples_by_run: tuple = ((("smollm2", SETTINGS[False], 8, 1024), 8),)
 
     @property
     def strides(self) -> tuple:
@@ -78,17 +81,33 @@ class Design:
         """Every planned run: (model, setting, stride, context length)."""
         return list(itertools.product(self.models, self.settings, self.strides, self.lengths))
 
+    def samples_of(self, slot: tuple) -> int:
+        """The samples per phase the planned run ``slot`` (model, setting, stride, length) answers."""
+        return dict(self.samples_by_run).get(tuple(slot), self.samples)
+
     def cells_per_ratio(self) -> int:
         """Dev cells of one ratio, both models together (24)."""
         return len(self.models) * len(self.settings) * len(self.tasks) * len(self.lengths)
 
-    def texts_per_cell(self) -> int:
-        return self.samples * len(self.stride_seeds)
+    def texts_per_cell(self, model: str, setting: str, length: int) -> int:
+        """Texts of one dev cell: the samples of its runs at both strides."""
+        return sum(self.samples_of((model, setting, s, length)) for s in self.strides)
 
-    def planned_answers(self, stride: int) -> int:
+    def phases_per_cell(self, model: str, setting: str, length: int) -> int:
+        """Answers of one press in one dev cell: a text per sample and stride, each at every phase of its stride."""
+        return sum(self.samples_of((model, setting, s, length)) * s for s in self.strides)
+
+    def texts_planned(self, model=None) -> int:
+        """Texts of one ratio's cells, of ``model`` or of every model (the same at every ratio)."""
+        models = self.models if model is None else (model,)
+        return sum(self.texts_per_cell(m, st, n) * len(self.tasks)
+                   for m in models for st in self.settings for n in self.lengths)
+
+    def planned_answers(self, slot: tuple) -> int:
+        """Answers the planned run ``slot`` (model, setting, stride, length) holds when finished."""
         compressing = sum(p != "no_press" for p in self.presses)
-        return self.samples * len(self.tasks) * stride * (int("no_press" in self.presses)
-                                                           + len(self.ratios) * compressing)
+        return self.samples_of(slot) * len(self.tasks) * slot[2] * (int("no_press" in self.presses)
+                                                                     + len(self.ratios) * compressing)
 
 
 DEV = Design()
@@ -142,10 +161,11 @@ def run_slot(info: RunInfo, design: Design = DEV) -> tuple:
         raise refuse(f"seed at stride {stride}", config.get("seed"), seeds[stride])
     if length not in design.lengths:
         raise refuse("context length", length, list(design.lengths))
+    slot = (info.model, SETTINGS[bool(config.get("compress_question"))], stride, length)
     checks = [("tasks", sorted(config.get("tasks") or []), sorted(design.tasks)),
               ("compression ratios", sorted(float(r) for r in config.get("compression_ratios") or []),
                sorted(design.ratios)),
-              ("samples", config.get("samples"), design.samples),
+              ("samples", config.get("samples"), design.samples_of(slot)),
               ("presses", sorted(parse_press_spec(p).label for p in config.get("presses") or []),
                sorted(design.presses)),
               ("protocol", config.get("protocol"), "offset"),
@@ -153,7 +173,7 @@ def run_slot(info: RunInfo, design: Design = DEV) -> tuple:
     for what, have, want in checks:
         if have != want:
             raise refuse(what, have, want)
-    return info.model, SETTINGS[bool(config.get("compress_question"))], stride, length
+    return slot
 
 
 def read_round(paths: list[str], design: Design = DEV) -> Round:
@@ -182,7 +202,7 @@ def read_round(paths: list[str], design: Design = DEV) -> Round:
     rows = []
     for slot in design.slots():
         info = by_slot.get(slot)
-        planned = design.planned_answers(slot[2])
+        planned = design.planned_answers(slot)
         answers = 0 if info is None else info.answers
         if info is not None and info.planned is not None and info.planned != planned:
             raise ValueError(f"{info.path!r} plans {info.planned} answers, the pre-registered run {planned}")

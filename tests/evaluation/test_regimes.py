@@ -175,15 +175,17 @@ SCORES = {0.25: {REFERENCE: 1.0, "keydiff": 1.0}, 0.75: {G: 1.0, T: 1.0, "kvzip"
 """Made-up answers: every press answers right where named here, wrong elsewhere (no_press always right)."""
 
 
-def _run(root, stride: int, answered: int | None = None, design: Design = TINY) -> str:
+def _run(root, stride: int, answered: int | None = None, design: Design = TINY, samples: int | None = None) -> str:
     """A run folder of ``design`` at ``stride``: config.json, a results shard (its first ``answered`` answers) and
-    summary.json (every phase test p = 0.9)."""
+    summary.json (every phase test p = 0.9); ``samples`` per phase (default: what ``design`` plans for it)."""
     seed = dict(design.stride_seeds)[stride]
+    samples = design.samples_of((design.models[0], design.settings[0], stride, design.lengths[0])) \
+        if samples is None else samples
     folder = os.path.join(root, f"agnostic-s{stride}-{design.lengths[0]}")
     os.makedirs(os.path.join(folder, "results"))
     config = EvalConfig(model=design.models[0], tasks=list(design.tasks), presses=list(design.presses),
                         compression_ratios=list(design.ratios), strides=[stride], protocol="offset",
-                        context_lengths=list(design.lengths), samples=design.samples, seed=seed, matched_cache=True)
+                        context_lengths=list(design.lengths), samples=samples, seed=seed, matched_cache=True)
     with open(os.path.join(folder, "config.json"), "w") as fh:
         json.dump({"config": dataclasses.asdict(config), "fingerprint": config.fingerprint()}, fh)
     records, summary = [], []
@@ -192,7 +194,7 @@ def _run(root, stride: int, answered: int | None = None, design: Design = TINY) 
             summary.append({"task": task, "context_length": design.lengths[0], "press": press,
                             "compression_ratio": ratio, "stride": stride, "protocol": "offset",
                             "setting": SETTINGS[False], "mean": 0.5, "p_value": 0.9})
-            for sample, phase in itertools.product(range(design.samples), range(stride)):
+            for sample, phase in itertools.product(range(samples), range(stride)):
                 right = press == "no_press" or SCORES[ratio].get(press, 0.0)
                 cache = 256 * (1 - ratio) * (1.02 if press == T else 1.0)
                 record = {"task": task, "context_length": design.lengths[0], "stride": stride,
@@ -247,3 +249,40 @@ def test_a_run_of_another_configuration_is_refused_by_name(tmp_path, capsys):
     assert regimes.main([folder], design=other) == 2
     err = capsys.readouterr().err
     assert folder in err and "seed at stride 2: 10, the round's 11" in err
+
+
+def test_a_run_planned_with_its_own_sample_count_counts_its_texts(tmp_path, capsys):
+    """Deviation 1: one run keeps the count it began with (``samples_by_run``); the others answer ``samples``."""
+    design = Design(**{**dataclasses.asdict(TINY),
+                       "samples_by_run": (((TINY.models[0], TINY.settings[0], 2, TINY.lengths[0]), 3),)})
+    assert design.samples_of(("smollm2", SETTINGS[False], 2, 256)) == 3
+    assert design.samples_of(("smollm2", SETTINGS[False], 3, 256)) == 2
+    assert design.texts_per_cell("smollm2", SETTINGS[False], 256) == 5
+    assert design.phases_per_cell("smollm2", SETTINGS[False], 256) == 3 * 2 + 2 * 3
+    # the stride-2 run with the round's usual 2 samples is not the planned run
+    wrong = _run(str(tmp_path / "wrong"), 2, design=design, samples=2)
+    assert regimes.main([wrong], design=design) == 2
+    assert "its samples: 2, the round's 3" in capsys.readouterr().err
+    first, second = _run(str(tmp_path), 2, design=design), _run(str(tmp_path), 3, design=design)
+    cost = ["--cost", f"smollm2={_cost_file(str(tmp_path))}"]
+    assert regimes.main([first, second] + cost, design=design) == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 planned runs finished" in out and "| smollm2 | 6 of 6 | 6 of 6 |" in out
+    assert "| a cell (6 cells with answers) | 5 |" in out and "pending" not in out
+
+
+def test_the_sizing_spread_is_the_spread_of_text_differences(tmp_path, capsys):
+    """studies.regimes_sizing on made-up runs: every text of a press scores the same, so each spread is 0, and the
+    detectable differences at the bound are the round's."""
+    from studies import regimes_sizing
+
+    runs = [_run(str(tmp_path), 2), _run(str(tmp_path), 3)]
+    rows = regimes_sizing.spread(runs)
+    assert {(r["model"], r["ratio"]) for r in rows} == {("smollm2", 0.25), ("smollm2", 0.75)}
+    assert all(r["max_sd"] == 0 and r["texts"] == 3 * 2 * 2 for r in rows)  # tasks x strides x samples
+    assert regimes_sizing.main(runs + ["--samples", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"{regimes.detectable(72):.3f} per model and ratio, {regimes.detectable(144):.3f} per ratio" in out
+    with pytest.raises(SystemExit) as exit_:
+        regimes_sizing.main(runs + ["--samples", "0"])
+    assert exit_.value.code == 2 and "--samples must be >= 1, got 0" in capsys.readouterr().err
