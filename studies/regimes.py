@@ -47,8 +47,8 @@ from scipy import stats
 from studies.common import emit, fmt_number
 from studies.regimes_rules import decide, mechanisms_markdown, with_best
 from studies.regimes_runs import (BASELINES, CELL, DEV, G, MATCHED, OURS, SETTING_NAMES, TEXT, Design, Round, T,
-                                  best_baselines, cell_means, entry_shares, phase_tests, read_costs, read_round,
-                                  text_means)
+                                  best_baselines, cell_means, entry_shares, phase_tests, pooled_phase_tests,
+                                  read_costs, read_round, text_means)
 
 
 # ----------------------------------------------------------------------------------------------------- the tables
@@ -299,7 +299,7 @@ def report(paths: list[str], cost_specs: Optional[list] = None, entries: Optiona
                      "their phase tests from it): " + ", ".join(f"`{run}`" for run in unsummarised) + ".")
         return "\n".join(parts)
     tests = phase_tests(round_.finished_runs())
-    parts += [decide(means, tests, costs, entry_shares(records, T, G), design), "",
+    parts += [decide(means, tests, pooled_phase_tests(records), costs, entry_shares(records, T, G), design), "",
               "### Rule 6: what each mechanism scored", "", mechanisms_markdown(means, design), ""]
     return "\n".join(parts)
 

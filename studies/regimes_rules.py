@@ -8,7 +8,9 @@ The rules as coded (:func:`decide`):
 
 1. Flat: Holm's adjustment (:func:`~kvpress_phase.evaluation.metrics.holm`) over each press's phase tests in every
    run's ``summary.json`` (per model, cell and stride: 144 tests), family-wise 0.05; a candidate with any adjusted
-   p < 0.05 is dropped.
+   p < 0.05 is dropped. And (deviation 2) Holm's adjustment over its pooled tests
+   (:func:`~.regimes_runs.pooled_phase_tests`: per model and stride, every text of the round a row; 4 tests),
+   family-wise 0.05: any adjusted p < 0.05 drops it too.
 2. Cost and bytes, per model: a compress step above 0.1 prefills, or stored bytes above 1.05x ``chunked_stride``'s,
    drops a candidate; T is dropped as well when its mean cache length over the dev answers is above 1.05x G's
    over the same examples (:func:`~.regimes_runs.entry_shares`). A drop on either model drops the candidate.
@@ -149,28 +151,36 @@ def recommendation_text(sequence: list, ratios: tuple) -> str:
             f"(ratios {high})")
 
 
-def decide(means: pd.DataFrame, tests: pd.DataFrame, costs: dict, shares: pd.DataFrame,
+def decide(means: pd.DataFrame, tests: pd.DataFrame, pooled: pd.DataFrame, costs: dict, shares: pd.DataFrame,
            design: Design = DEV) -> str:
     """The pre-registered decision (rules 1-5), as Markdown, on the complete round: ``means`` from
-    :func:`~.regimes_runs.cell_means`, ``tests`` from :func:`~.regimes_runs.phase_tests`, ``costs`` from
+    :func:`~.regimes_runs.cell_means`, ``tests`` from :func:`~.regimes_runs.phase_tests`, ``pooled`` from
+    :func:`~.regimes_runs.pooled_phase_tests`, ``costs`` from
     :func:`~.regimes_runs.read_costs` (every model), ``shares`` from :func:`~.regimes_runs.entry_shares` (T against
     G). ValueError when a model's cost of a candidate or of ``chunked_stride`` is not measured."""
     best = best_baselines(means)
     per_model = len(design.settings) * len(design.tasks) * len(design.lengths) * len(design.ratios)
     lines = ["#### Rule 1: flat", "",
              f"Holm's correction over each press's phase tests in the dev round (per model, cell and stride; "
-             f"{len(design.models)} x {per_model} x {len(design.stride_seeds)} tests planned), family-wise {ALPHA}.",
-             "",
-             "| press | tests | smallest p | smallest Holm-adjusted p | rule 1 |", "|---|---|---|---|---|"]
+             f"{len(design.models)} x {per_model} x {len(design.stride_seeds)} tests planned), family-wise {ALPHA}; "
+             f"and (deviation 2) over its pooled tests (per model and stride, every text a row; "
+             f"{len(design.models) * len(design.stride_seeds)} tests), family-wise {ALPHA}. Either firing drops a "
+             "candidate.", "",
+             "| press | tests per cell | smallest p | smallest Holm-adjusted p | pooled tests (texts) | smallest p | "
+             "smallest Holm-adjusted p | rule 1 |", "|---|---|---|---|---|---|---|---|"]
     dropped = {}
     for press in OURS:
-        h = holm_tests(tests, press)
+        h, g = holm_tests(tests, press), holm_tests(pooled, press)
         role = "" if press in CANDIDATES else " (reported; not a rule-3 candidate)"
-        verdict = "**fires: dropped**" if h["fires"] else "flat"
-        if h["fires"] and press in CANDIDATES:
-            dropped[press] = (f"rule 1: its phase test fires after Holm's correction (smallest adjusted p "
-                              f"{fmt_p(h['adjusted'])} over {h['n']} tests)")
+        fires = h["fires"] or g["fires"]
+        verdict = "**fires: dropped**" if fires else "flat"
+        if fires and press in CANDIDATES:
+            which = [f"{what} (smallest adjusted p {fmt_p(r['adjusted'])} over {r['n']} tests)"
+                     for what, r in (("per cell", h), ("pooled", g)) if r["fires"]]
+            dropped[press] = "rule 1: its phase tests fire after Holm's correction, " + " and ".join(which)
+        texts = int(pooled[pooled.press == press]["texts"].sum()) if len(pooled) else 0
         lines.append(f"| `{press}`{role} | {h['n']} | {fmt_p(h['raw'])} | {fmt_p(h['adjusted'])} | "
+                     f"{g['n']} ({texts:,}) | {fmt_p(g['raw'])} | {fmt_p(g['adjusted'])} | "
                      f"{verdict if press in CANDIDATES else verdict.replace(': dropped', '')} |")
 
     lines += ["", "#### Rule 2: cost and bytes", "",

@@ -21,10 +21,12 @@ import itertools
 import os
 import sys
 
+import numpy as np
 import pandas as pd
 
 from kvpress_phase.evaluation.config import SETTINGS
 from kvpress_phase.evaluation.merging import RunInfo, read_runs
+from kvpress_phase.evaluation.metrics import permutation_p_value
 from kvpress_phase.evaluation.presses import parse_press_spec
 from kvpress_phase.evaluation.store import RESULTS_DIR, saved_config
 
@@ -258,6 +260,25 @@ def phase_tests(runs: list[str]) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame(columns=CELL + ["stride", "press", "p_value"])
     return pd.concat(frames, ignore_index=True)[CELL + ["stride", "press", "p_value"]]
+
+
+def pooled_phase_tests(records: pd.DataFrame, presses: tuple = OURS) -> pd.DataFrame:
+    """Rule 1's pooled phase tests (the pre-registration's deviation 2): per model, stride and press, the
+    evaluation's within-text permutation test (:func:`~kvpress_phase.evaluation.metrics.permutation_p_value`) over
+    every compressed text of that stride in the round (its rows: setting, task, length, ratio and sample; its
+    columns: the phases), the texts that answered every phase. A phase that is weak in every cell shows here where
+    3 texts a test cannot show it."""
+    columns = ["model", "stride", "press", "texts", "p_value"]
+    if not len(records):
+        return pd.DataFrame(columns=columns)
+    part = records[(records.compression_ratio > 0) & records.press.isin(presses)]
+    rows = []
+    for (model, stride, press), block in part.groupby(["model", "stride", "press"]):
+        matrix = block.pivot_table(index=["setting", "task", "context_length", "compression_ratio", "sample_id"],
+                                   columns="phase", values="score", aggfunc="mean").dropna()
+        p = permutation_p_value(matrix.to_numpy(), rng=np.random.default_rng(0)) if len(matrix) else float("nan")
+        rows.append({"model": model, "stride": int(stride), "press": press, "texts": len(matrix), "p_value": p})
+    return pd.DataFrame(rows, columns=columns)
 
 
 def read_cost_table(path: str) -> dict:

@@ -57,6 +57,12 @@ def _tests(p: dict | None = None, design: Design = DEV) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _pooled(p: dict | None = None, design: Design = DEV) -> pd.DataFrame:
+    """Made-up pooled tests (deviation 2): per model, stride and press of ours, p 0.5 unless ``p`` names it."""
+    return pd.DataFrame([{"model": m, "stride": s, "press": press, "texts": 108, "p_value": (p or {}).get(press, 0.5)}
+                         for m, s, press in itertools.product(design.models, design.strides, OURS)])
+
+
 BYTES = {MATCHED: 12.30, REFERENCE: 12.30, D: 12.30, G: 12.31, G_FLOOR: 12.31, T: 12.31, SHARE_HEADS: 12.30}
 PREFILLS = {MATCHED: 0.013, REFERENCE: 0.012, D: 0.024, G: 0.030, G_FLOOR: 0.031, T: 0.035, SHARE_HEADS: 0.014}
 
@@ -81,7 +87,7 @@ def _every(k: int) -> dict:
 
 def test_a_press_winning_at_low_ratios_and_another_at_high_ratios_switch_once():
     near = {REFERENCE: {0.25: 24, 0.5: 24, 0.75: 0}, G: {0.25: 0, 0.5: 3, 0.75: 24}, T: {0.75: 20}}
-    out = decide(_means(near), _tests(), _costs(), _shares())
+    out = decide(_means(near), _tests(), _pooled(), _costs(), _shares())
     assert "No candidate is within 2 cells of the best at every ratio" in out
     assert f"- ratio 0.25: `{REFERENCE}` (24/24)" in out and f"- ratio 0.75: `{G}` (24/24)" in out
     assert "G stays; T costs 4 cells" in out  # rule 5: G's 24 against T's 20 is no tie
@@ -91,53 +97,60 @@ def test_a_press_winning_at_low_ratios_and_another_at_high_ratios_switch_once():
 
 def test_one_press_within_two_cells_at_every_ratio_is_the_recommendation_everywhere():
     near = {REFERENCE: {0.25: 22, 0.5: 24, 0.75: 24}, G: {0.25: 24, 0.5: 10, 0.75: 10}}
-    out = decide(_means(near), _tests(), _costs(), _shares())
+    out = decide(_means(near), _tests(), _pooled(), _costs(), _shares())
     assert f"- ratio 0.25: `{G}` (24/24)" in out  # rule 3 alone would switch
     assert f"`{REFERENCE}` is within 2 cells of the best at every ratio" in out
     assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
     # three cells short at one ratio and it no longer holds: the per-ratio picks stand
     near[REFERENCE][0.25] = 21
-    out = decide(_means(near), _tests(), _costs(), _shares())
+    out = decide(_means(near), _tests(), _pooled(), _costs(), _shares())
     assert f"**Recommendation: `{G}` below ratio 0.5 (ratios 0.25), `{REFERENCE}` from ratio 0.5" in out
 
 
 def test_a_tie_within_one_cell_goes_to_the_lower_bytes():
     near = {REFERENCE: _every(23), G: _every(24)}
-    out = decide(_means(near), _tests(), _costs(), _shares())
+    out = decide(_means(near), _tests(), _pooled(), _costs(), _shares())
     assert f"to `{REFERENCE}` by 1.000x bytes" in out
     assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
     near = {REFERENCE: _every(22), G: _every(24)}  # two cells apart: no tie
-    assert f"**Recommendation: `{G}` at every ratio.**" in decide(_means(near), _tests(), _costs(), _shares())
+    out = decide(_means(near), _tests(), _pooled(), _costs(), _shares())
+    assert f"**Recommendation: `{G}` at every ratio.**" in out
 
 
 def test_a_phase_test_that_fires_after_holm_drops_the_candidate():
     near = {REFERENCE: _every(10), G: _every(24)}
-    out = decide(_means(near), _tests({G: 0.0001}), _costs(), _shares())  # 144 x 0.0001 < 0.05
+    out = decide(_means(near), _tests({G: 0.0001}), _pooled(), _costs(), _shares())  # 144 x 0.0001 < 0.05
     assert f"`{G}` is dropped by rule 1" in out
     assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
     tests = _tests()
     tests.loc[(tests.press == G) & (tests.stride == 8) & (tests.task == "niah_single")
               & (tests.compression_ratio == 0.25) & (tests.model == "smollm2")
               & (tests.setting == SETTINGS[False]) & (tests.context_length == 1024), "p_value"] = 0.001
-    out = decide(_means(near), tests, _costs(), _shares())  # one test at 0.001: 0.144 after Holm, flat
+    out = decide(_means(near), tests, _pooled(), _costs(), _shares())  # one test at 0.001: 0.144 after Holm, flat
     assert "is dropped by rule 1" not in out and f"**Recommendation: `{G}` at every ratio.**" in out
+    # deviation 2: the pooled tests drop it alone (4 tests: 0.004 x 4 < 0.05), but not at 0.02 (0.08 after Holm)
+    out = decide(_means(near), _tests(), _pooled({G: 0.004}), _costs(), _shares())
+    assert f"`{G}` is dropped by rule 1: its phase tests fire after Holm's correction, pooled" in out
+    assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
+    out = decide(_means(near), _tests(), _pooled({G: 0.02}), _costs(), _shares())
+    assert "is dropped by rule 1" not in out and "| 4 (432) | 0.020 | 0.080 | flat |" in out
 
 
 def test_cost_bytes_and_entries_drop_a_candidate():
     near = {REFERENCE: _every(10), G: _every(24), T: _every(24)}
-    out = decide(_means(near), _tests(), _costs(), _shares())
+    out = decide(_means(near), _tests(), _pooled(), _costs(), _shares())
     assert "T ties G" in out and f"**Recommendation: `{T}` at every ratio.**" in out  # rule 5
-    out = decide(_means(near), _tests(), _costs(), _shares(1.08))
+    out = decide(_means(near), _tests(), _pooled(), _costs(), _shares(1.08))
     assert f"`{T}` is dropped by rule 2" in out and "1.080x G's entries > 1.05x" in out
     assert f"**Recommendation: `{G}` at every ratio.**" in out
-    out = decide(_means(near), _tests(), _costs(**{G: {"bytes": 13.0}, T: {"prefills": 0.2}}), _shares())
+    out = decide(_means(near), _tests(), _pooled(), _costs(**{G: {"bytes": 13.0}, T: {"prefills": 0.2}}), _shares())
     assert f"`{G}` is dropped by rule 2" in out and f"`{T}` is dropped by rule 2" in out
     assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
 
 
 def test_a_non_monotone_pick_is_resolved_to_one_switch():
     near = {REFERENCE: {0.25: 24, 0.5: 0, 0.75: 24}, D: {0.25: 0, 0.5: 24, 0.75: 12}}
-    out = decide(_means(near), _tests(), _costs(), _shares())
+    out = decide(_means(near), _tests(), _pooled(), _costs(), _shares())
     assert f"Rule 3's picks (`{REFERENCE}`, `{D}`, `{REFERENCE}`) switch more than once" in out
     # (phase_aware, D, D), (phase_aware x 3) and (D, D, phase_aware) keep two picks each; the first has 60 cells
     assert (f"**Recommendation: `{REFERENCE}` below ratio 0.5 (ratios 0.25), `{D}` from ratio 0.5 (ratios 0.5, "
@@ -286,3 +299,18 @@ def test_the_sizing_spread_is_the_spread_of_text_differences(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         regimes_sizing.main(runs + ["--samples", "0"])
     assert exit_.value.code == 2 and "--samples must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_pooled_phase_test_sees_a_phase_weak_in_every_cell(tmp_path):
+    """Deviation 2's pooled test over made-up runs: flat answers give no small p; phase 1 wrong in every text of
+    every cell does."""
+    runs = [_run(str(tmp_path), 2), _run(str(tmp_path), 3)]
+    records = regimes_runs.read_round(runs, TINY).records
+    flat = regimes_runs.pooled_phase_tests(records)
+    assert set(flat.stride) == {2, 3} and (flat.texts == 3 * 2 * 2).all()  # tasks x ratios x samples per stride
+    assert (flat.p_value.fillna(1.0) >= 0.05).all()
+    weak = records.copy()
+    weak.loc[(weak.press == G) & (weak.phase == 1), "score"] = 0.0
+    weak.loc[(weak.press == G) & (weak.phase != 1), "score"] = 1.0
+    tests = regimes_runs.pooled_phase_tests(weak)
+    assert (tests[tests.press == G].p_value < 0.01).all()
