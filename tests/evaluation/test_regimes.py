@@ -314,3 +314,20 @@ def test_the_pooled_phase_test_sees_a_phase_weak_in_every_cell(tmp_path):
     weak.loc[(weak.press == G) & (weak.phase != 1), "score"] = 1.0
     tests = regimes_runs.pooled_phase_tests(weak)
     assert (tests[tests.press == G].p_value < 0.01).all()
+
+
+def test_the_null_simulation_counts_what_the_rules_see():
+    """studies.regimes_null: a candidate far below the best baseline is never counted within 0.03, one that ties is
+    counted in some but not all cells; rule 1's per-cell step cannot fire at 3 texts a test, the pooled step sees a
+    phase weak in every cell."""
+    import numpy as np
+
+    from studies import regimes_null
+
+    rng = np.random.default_rng(0)
+    dev = regimes_null.CELL_DESIGNS["dev cell (3 + 3 texts, strides 8 and 12)"]
+    assert regimes_null.counted_share(rng, 0.8, dev, None, ties=1, below=0.5, cells=300) == 0.0
+    tied = regimes_null.counted_share(rng, 0.8, dev, None, ties=1, below=0.0, cells=300)
+    assert 0.3 < tied < 0.95
+    weak = regimes_null.rule1_drop_rate(2, weak=0.4, n_permutations=200, progress=False)
+    assert weak["per_cell"] == 0.0 and weak["pooled"] == 1.0 and weak["pooled_tests"] == 4
