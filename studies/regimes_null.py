@@ -19,7 +19,8 @@
    candidate's mean is >= the best baseline's mean - 0.03 (:func:`~studies.regimes_rules.with_best`, the rule's own
    code) is what a press tied with the best baseline scores; rows with the candidate 0.05 and 0.10 below show what
    the count tells apart. Cells: a dev cell (3 texts at stride 8 and 3 at stride 12), the first run's cells (8 and
-   3) and a fresh-split cell (8 texts at one stride, 7 or 14).
+   3) and a fresh-split cell (8 texts at one stride, 7 or 14); and, to read the counts of earlier studies, a cell of
+   R7 (SmolLM2: 12 texts at one stride) and of R8 (Qwen: 16).
 
 The count is biased against a press that ties: the best baseline's mean is the largest of several noisy means.
 Read the 80% target of the fresh split against the share a tied press reaches here.
@@ -48,7 +49,9 @@ GAP_BELOW = 0.15
 CELL_DESIGNS = {"dev cell (3 + 3 texts, strides 8 and 12)": ((8, 3), (12, 3)),
                 "first run's cells (8 + 3 texts)": ((8, 8), (12, 3)),
                 "fresh-split cell (8 texts, stride 7)": ((7, 8),),
-                "fresh-split cell (8 texts, stride 14)": ((14, 8),)}
+                "fresh-split cell (8 texts, stride 14)": ((14, 8),),
+                "R7's cells (12 texts, stride 13)": ((13, 12),),
+                "R8's cells (16 texts, stride 10)": ((10, 16),)}
 
 
 # ------------------------------------------------------------------------------------------------ rule 1, flat truth

@@ -46,7 +46,6 @@ CANDIDATES = (G, G_FLOOR, T, REFERENCE, D)
 ``head_budget:floor=1.0`` is reported, not a candidate: the ``share_heads`` rule is decided on the fresh split."""
 BASELINES = tuple(kvpress_baselines())
 """Every registered kvpress baseline (14): the best baseline of a cell is the best of them (ties: the first here)."""
-SHORT = {REFERENCE: "phase_aware", SHARE_HEADS: "heads (floor=1.0)", D: "D", G: "G", G_FLOOR: "G floors", T: "T"}
 
 CELL = ["model", "setting", "task", "context_length", "compression_ratio"]
 TEXT = CELL + ["stride", "sample_id"]
