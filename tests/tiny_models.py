@@ -179,3 +179,32 @@ def tiny_scorer(model, path, *, layers=None, favour=None) -> str:
                 layer.bias.fill_(10.0 if i == favour else -10.0)
     scorer.save_pretrained(path)
     return str(path)
+
+
+def assert_replay_matches_pipeline(model, tokenizer, make_press, *, check=None, attention: str | None = None):
+    """Answer two ``niah_single`` rows (200 tokens, phases 1 and 6, 6 new tokens) both through the replay engine and
+    through kvpress's pipeline, each with a fresh press from ``make_press()``, and assert that the answers agree.
+    With ``attention``, the model is set back to that attention implementation after each pipeline call (a press
+    that stores its cache ragged switches it); ``check(engine, state, replayed, press)`` then runs on each row, with
+    the press that the pipeline used."""
+    from transformers import DynamicCache, pipeline
+
+    from kvpress_phase.evaluation.replay import ReplayEngine
+    from kvpress_phase.evaluation.tasks import generate
+
+    rows = generate("niah_single", tokenizer, n_samples=2, context_length=200, stride=8, phases=[1, 6],
+                    protocol="offset", seed=5)
+    engine = ReplayEngine(model, tokenizer, step_by_step=True)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    for row in rows:
+        encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+        state = engine.prefill(encoded["context_ids"])
+        replayed = engine.answer_many(state, [make_press()], encoded["questions_ids"][0], 6, batch_size=1)[0]
+        press = make_press()
+        direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"], press=press,
+                      max_new_tokens=6, cache=DynamicCache())["answer"]
+        if attention is not None:
+            model.set_attn_implementation(attention)
+        assert replayed["prediction"] == direct
+        if check is not None:
+            check(engine, state, replayed, press)

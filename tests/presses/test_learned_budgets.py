@@ -14,12 +14,10 @@ from kvpress import AdaKVPress, KeyDiffPress, ScorerPress
 from kvpress.presses.kvzap_press import KVzapConfig
 from transformers import DynamicCache, pipeline
 
-from tiny_models import tiny_model, tiny_scorer
+from tiny_models import assert_replay_matches_pipeline, tiny_model, tiny_scorer
 from kvpress_phase import GlobalBudgetPress, LayerBudgetPress, PhaseAwarePress
 from kvpress_phase.evaluation.presses import (HIDDEN_STATES, REGISTRY, build_press, parse_press_spec, prefill_reads,
                                               query_aware_warning)
-from kvpress_phase.evaluation.replay import ReplayEngine
-from kvpress_phase.evaluation.tasks import generate
 from kvpress_phase.evaluation.tokenizer import build_tokenizer
 from kvpress_phase.core.phase import compressed_length
 from kvpress_phase.presses.learned_scorer import SHIPPED, LocalKVzapPress, shipped_scorer_path
@@ -151,19 +149,12 @@ def test_replay_gives_the_pipeline_answers_for_masking_and_learned_presses(make,
     word_tokenizer = build_tokenizer()
     model = tiny_model("llama", vocab_size=len(word_tokenizer), seed=3, num_hidden_layers=3)
     path = _scorer_for(model, tmp_path / "s")
-    rows = generate("niah_single", word_tokenizer, n_samples=2, context_length=200, stride=8, phases=[1, 6],
-                    protocol="offset", seed=5)
-    engine = ReplayEngine(model, word_tokenizer, step_by_step=True)
-    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=word_tokenizer, device="cpu")
-    for row in rows:
-        encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
-        state = engine.prefill(encoded["context_ids"])
-        replayed = engine.answer_many(state, [make(path)], encoded["questions_ids"][0], 6, batch_size=1)[0]
-        direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"], press=make(path),
-                      max_new_tokens=6, cache=DynamicCache())["answer"]
-        assert replayed["prediction"] == direct
-        if isinstance(make(path), AdaKVPress):  # its masks are kept: fewer attended entries than stored
+
+    def check(engine, state, replayed, used):
+        if isinstance(used, AdaKVPress):  # its masks are kept: fewer attended entries than stored
             press = make(path)
             cache = engine.compressed_cache(state, press)
             masks = engine.masks(state, press)
             assert masks and replayed["cache_length"] < cache.layers[0].keys.shape[2]
+
+    assert_replay_matches_pipeline(model, word_tokenizer, lambda: make(path), check=check)

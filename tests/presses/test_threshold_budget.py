@@ -11,7 +11,7 @@ import torch
 from kvpress import KeyDiffPress
 from transformers import DynamicCache, pipeline
 
-from tiny_models import tiny_model, tiny_scorer
+from tiny_models import assert_replay_matches_pipeline, tiny_model, tiny_scorer
 from kvpress_phase import HeadBudgetPress, PhaseAwarePress, ThresholdBudgetPress, cache_summary
 from kvpress_phase.core.phase import WindowLayout
 from kvpress_phase.presses.learned_scorer import (SHIPPED, THRESHOLDS, CalibratedDMSPress, LocalKVzapPress,
@@ -194,28 +194,17 @@ def test_calibration_pools_every_score_of_its_passages(tmp_path):
     lambda path: ThresholdBudgetPress(PhaseAwarePress(0.6, scorer=LocalKVzapPress(scorer_path=path))),
 ])
 def test_replay_gives_the_pipeline_answers_for_calibrated_presses(make, tmp_path):
-    from kvpress_phase.evaluation.replay import ReplayEngine
-    from kvpress_phase.evaluation.tasks import generate
     from kvpress_phase.evaluation.tokenizer import build_tokenizer
 
     word_tokenizer = build_tokenizer()
     model = tiny_model("llama", vocab_size=len(word_tokenizer), seed=3, num_hidden_layers=3)
     path, _ = _calibrated_scorer(model, word_tokenizer, tmp_path / "s")
-    rows = generate("niah_single", word_tokenizer, n_samples=2, context_length=200, stride=8, phases=[1, 6],
-                    protocol="offset", seed=5)
-    engine = ReplayEngine(model, word_tokenizer, step_by_step=True)
-    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=word_tokenizer, device="cpu")
-    for row in rows:
-        encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
-        state = engine.prefill(encoded["context_ids"])
-        replayed = engine.answer_many(state, [make(path)], encoded["questions_ids"][0], 6, batch_size=1)[0]
-        press = make(path)
-        direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"], press=press,
-                      max_new_tokens=6, cache=DynamicCache())["answer"]
-        model.set_attn_implementation("sdpa")
-        assert replayed["prediction"] == direct
+
+    def check(engine, state, replayed, press):
         assert 0.3 < cache_summary(press).achieved_ratio if isinstance(press, ThresholdBudgetPress) else \
             0.3 < press.compression_ratio < 0.9
+
+    assert_replay_matches_pipeline(model, word_tokenizer, lambda: make(path), check=check, attention="sdpa")
 
 
 def test_the_dms_threshold_keeps_the_window_and_the_calibrated_share(tmp_path):
