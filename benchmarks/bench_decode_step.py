@@ -23,37 +23,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
+from common import append_result, bad_input, parse_list, parse_names, run_line, set_threads
+
 VARIANTS = ("none", "dense", "masked", "ragged")
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else the platform's machine name."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def parse_list(text: str, kind, name: str) -> list:
-    try:
-        values = [kind(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--{name} takes a comma-separated list of numbers, got {text!r}") from None
-    if not values:
-        raise ValueError(f"--{name} is empty")
-    return values
 
 
 def press_for(variant: str, ratio: float, stride: int, scorer: str):
@@ -124,7 +102,7 @@ def main(argv=None) -> int:
     try:
         lengths = parse_list(args.context_lengths, int, "context-lengths")
         ratios = parse_list(args.ratios, float, "ratios")
-        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        variants = parse_names(args.variants)
         unknown = sorted(set(variants) - set(VARIANTS))
         if unknown:
             raise ValueError(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -133,19 +111,15 @@ def main(argv=None) -> int:
         if any(not 0 < r < 1 for r in ratios):
             raise ValueError(f"--ratios must be in (0, 1), got {args.ratios}")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+        return bad_input(exc)
+    set_threads(args.threads)
 
     from kvpress_phase import load_builtin_model
     from kvpress_phase.evaluation.tasks import generate
 
     model, tokenizer = load_builtin_model(name=args.model)
-    lines = [f"`python benchmarks/bench_decode_step.py {' '.join(argv if argv is not None else sys.argv[1:])}`, "
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
-             f"{torch.get_num_threads()} threads, torch {torch.__version__}, {args.model}, stride {args.stride}, "
-             f"scorer {args.scorer}; median of {args.steps} steps after {args.warmup}", "",
+    lines = [f"{run_line('bench_decode_step.py', argv)}, {args.model}, stride {args.stride}, scorer {args.scorer}; "
+             f"median of {args.steps} steps after {args.warmup}", "",
              "| tokens | ratio | variant | step (ms) | vs dense | vs masked | cache MiB |",
              "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
@@ -169,9 +143,7 @@ def main(argv=None) -> int:
                         f"{vs['masked']} | {nbytes / 2**20:.2f} |")
                 lines.append(line)
                 print(line, flush=True)
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+    append_result(args.output, lines)
     return 0
 
 

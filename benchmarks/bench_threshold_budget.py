@@ -21,14 +21,13 @@ keeps varies with the context.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 
 import torch
 
 from bench_capture_memory import _reset_peak, _status
-from bench_decode_step import cpu_name, parse_list
+from common import append_result, bad_input, parse_list, parse_names, run_line, set_threads
 
 
 def make_press(kind: str, ratio: float, stride: int):
@@ -73,14 +72,12 @@ def main(argv=None) -> int:
         ratios = parse_list(args.ratios, float, "ratios")
         lengths = parse_list(args.context_lengths, int, "context-lengths")
         seeds = parse_list(args.seeds, int, "seeds")
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        tasks = parse_names(args.tasks)
         if args.samples < 1 or args.peak_length < 0:
             raise ValueError("--samples must be >= 1 and --peak-length >= 0")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+        return bad_input(exc)
+    set_threads(args.threads)
 
     from tqdm.auto import tqdm
 
@@ -89,9 +86,7 @@ def main(argv=None) -> int:
 
     model, tokenizer = load_builtin_model(name=args.model)
     model.set_attn_implementation("sdpa")
-    command = f"python benchmarks/bench_threshold_budget.py {' '.join(argv if argv is not None else sys.argv[1:])}"
-    lines = [f"`{command}`, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
-             f"{torch.get_num_threads()} threads, torch {torch.__version__}, {args.model}, stride {args.stride}", ""]
+    lines = [f"{run_line('bench_threshold_budget.py', argv)}, {args.model}, stride {args.stride}", ""]
     contexts = []
     for task in tasks:
         for length in lengths:
@@ -155,9 +150,7 @@ def main(argv=None) -> int:
             peak.append(f"| {name} | {growth / 2**20:.0f} | {nbytes / 2**20:.1f} |")
             print(peak[-1], flush=True)
         lines += peak
-    if args.output:
-        with open(args.output, "a") as fh:
-            fh.write("\n".join(lines) + "\n\n")
+    append_result(args.output, lines)
     return 0
 
 
