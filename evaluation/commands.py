@@ -125,9 +125,7 @@ def _dtype_warning(dtype: str, device: str) -> Optional[str]:
 def cmd_eval(args) -> int:
     from kvpress_phase.builtin import DEFAULT_MODEL
 
-    from .config import EvalConfig
-    from .report import console_table, write_reports
-    from .runner import run_evaluation
+    from .config import EvalConfig  # torch-free, as are the first checks of its validate(): task names, numbers
 
     config = EvalConfig(
         model=args.model or DEFAULT_MODEL, tasks=args.tasks, presses=args.presses,  # the model used, recorded
@@ -138,10 +136,12 @@ def cmd_eval(args) -> int:
         compress_question=args.compress_question, allow_duplicate_k=args.allow_duplicate_k,
         decode_batch=args.decode_batch, step_by_step=args.step_by_step,
     )
-    try:
+    try:  # before the imports below (torch, transformers): bad input is refused at once
         config.validate()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    from .report import console_table, write_reports
+    from .runner import run_evaluation
     from .spellings import former_spelling_note
 
     for note in filter(None, map(former_spelling_note, config.presses)):

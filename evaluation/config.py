@@ -55,28 +55,21 @@ class EvalConfig:
         self.task_revisions = {t: self.task_revisions.get(t, today) for t, today in known.items()}
 
     def validate(self) -> None:
+        """ValueError naming the first setting that is wrong. The checks that need neither torch nor kvpress come
+        first (the task names, the lists and numbers and how they fit together), so that ``eval`` refuses those
+        before it imports either; then the press specs are parsed (each press is built once, which imports
+        kvpress) and checked with the strides and ratios."""
         for name in self.tasks:
             get_task(name).at(self.task_revisions.get(name))
-        labels = [parse_press_spec(spec).label for spec in self.presses]
         if not self.tasks or not self.presses:
             raise ValueError("tasks and presses must not be empty")
-        listed = [("--presses", "press", labels)] + [(flag, item, getattr(self, field) or [])
-                                                       for flag, item, field in LISTED_ONCE]
-        for flag, item, values in listed:
-            for i, value in enumerate(values):
-                if value in values[:i]:
-                    raise ValueError(f"{flag} lists {value!r} twice: give each {item} once")
+        self._check_listed_once([(flag, item, getattr(self, field) or []) for flag, item, field in LISTED_ONCE])
         for r in self.compression_ratios:
             if not 0 <= r < 1:
                 raise ValueError(f"compression ratio must be in [0, 1), got {r}")
-        positive = [r for r in self.compression_ratios if r > 0]
         for s in self.strides:
             if s < 1:
                 raise ValueError(f"stride must be >= 1, got {s}")
-            if s == 1 and positive and labels != ["no_press"]:
-                raise ValueError(f"stride 1 cannot run compression ratio {positive[0]:g}: a stride of 1 makes "
-                                 "one-token windows and each keeps its token, so nothing would be compressed; use "
-                                 "strides of 2 or more")
         for w in self.windows or []:
             if w < min(self.strides):
                 raise ValueError(f"window must be >= stride, got window {w} with strides {self.strides}")
@@ -93,10 +86,25 @@ class EvalConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.decode_batch < 1:
             raise ValueError(f"decode batch must be >= 1, got {self.decode_batch}")
+        labels = [parse_press_spec(spec).label for spec in self.presses]
+        self._check_listed_once([("--presses", "press", labels)])
+        positive = [r for r in self.compression_ratios if r > 0]
+        if 1 in self.strides and positive and labels != ["no_press"]:
+            raise ValueError(f"stride 1 cannot run compression ratio {positive[0]:g}: a stride of 1 makes "
+                             "one-token windows and each keeps its token, so nothing would be compressed; use "
+                             "strides of 2 or more")
         if not self.allow_duplicate_k:
             duplicate = duplicate_k(self.compression_ratios, self.strides)
             if duplicate:
                 raise ValueError(duplicate + "; drop one, or allow it explicitly (--allow-duplicate-k)")
+
+    @staticmethod
+    def _check_listed_once(listed: list) -> None:
+        """ValueError when one of the lists ``(flag, what one item is, values)`` holds an item twice."""
+        for flag, item, values in listed:
+            for i, value in enumerate(values):
+                if value in values[:i]:
+                    raise ValueError(f"{flag} lists {value!r} twice: give each {item} once")
 
     def fingerprint(self) -> str:
         values = dataclasses.asdict(self)

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from kvpress_phase.evaluation.arguments import UsageError, csv_list, first_line, threads
 
-from .config import DEFAULT_TASKS, DTYPES, OFFSET_MODES, RECIPES, FinetuneConfig
+from .config import DEFAULT_TASKS, DTYPES, OFFSET_MODES, RECIPES, FinetuneConfig, check_run_settings
 
 DESCRIPTION = """\
 Fine-tune a causal LM with ChunkedStridePress or PhaseAwarePress in the loop: each training context is
@@ -144,9 +144,12 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
 
 
 def run_from_args(args: argparse.Namespace, command: Optional[str] = None) -> dict:
-    """Run ``kvpress-phase train`` from parsed flags (ValueError for a bad configuration)."""
+    """Run ``kvpress-phase train`` from parsed flags (ValueError for a bad configuration). The checks of
+    ``--checkpoint-every`` and ``--max-minutes`` come first, then the configuration's: the torch-free ones of both
+    run before anything imports torch, kvpress or transformers."""
     from .finetune import finetune
 
+    check_run_settings(args.checkpoint_every, args.max_minutes)
     config = config_from_args(args)
     output_dir = args.output_dir
     try:

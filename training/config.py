@@ -119,7 +119,9 @@ class FinetuneConfig:
 
     # -------------------------------------------------------------------------------- validation
     def validate(self) -> None:
-        """ValueError naming the first invalid setting (checks that need no model or tokenizer)."""
+        """ValueError naming the first invalid setting (checks that need no model or tokenizer). The checks that
+        need neither torch nor kvpress come first, so that ``train`` refuses those before it imports either; the
+        press spec is parsed, and the press built at every stride and both ends of the ratios, last."""
         from kvpress_phase.evaluation.presses import TRAINABLE_PRESSES, parse_press_spec
         from kvpress_phase.evaluation.tasks import get_task
 
@@ -131,9 +133,6 @@ class FinetuneConfig:
         if str(self.press).strip().split(":")[0] not in TRAINABLE_PRESSES:  # before parsing, which lists every press
             raise ValueError(f"press must be one of {', '.join(TRAINABLE_PRESSES)} (optionally with :key=value settings), "
                              f"got {self.press!r}")
-        spec = parse_press_spec(self.press)
-        if dict(spec.options).get("backend") == "triton":
-            raise ValueError("press backend 'triton' has no backward pass; training uses backend=torch")
         if self.ratio_range is not None:
             if len(self.ratio_range) != 2 or not 0 <= self.ratio_range[0] <= self.ratio_range[1] < 1:
                 raise ValueError(f"ratio_range must be [low, high] with 0 <= low <= high < 1, got {self.ratio_range}")
@@ -179,6 +178,9 @@ class FinetuneConfig:
             raise ValueError(f"LoRA needs lora_r >= 1, lora_alpha > 0, 0 <= lora_dropout < 1 and target modules; got "
                              f"r={self.lora_r}, alpha={self.lora_alpha}, dropout={self.lora_dropout}, "
                              f"targets={self.lora_targets}")
+        spec = parse_press_spec(self.press)
+        if dict(spec.options).get("backend") == "triton":
+            raise ValueError("press backend 'triton' has no backward pass; training uses backend=torch")
         for stride in self.strides:  # the press accepts every stride and both ends of the ratio range
             for ratio in self._ratio_bounds():
                 self.build_press(ratio, stride, self.offset % stride)
@@ -224,8 +226,17 @@ class FinetuneConfig:
         return asdict(self)
 
 
+def check_run_settings(checkpoint_every: int, max_minutes: Optional[float]) -> None:
+    """ValueError unless ``checkpoint_every`` (steps between checkpoints) is >= 1 and ``max_minutes`` is None or
+    > 0: the settings of a training call that are not part of its configuration."""
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+    if max_minutes is not None and not max_minutes > 0:
+        raise ValueError(f"max_minutes must be > 0, got {max_minutes}")
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-__all__ = ["FinetuneConfig", "RECIPES", "DEFAULT_TASKS", "OFFSET_MODES", "DTYPES"]
+__all__ = ["FinetuneConfig", "RECIPES", "DEFAULT_TASKS", "OFFSET_MODES", "DTYPES", "check_run_settings"]

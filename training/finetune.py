@@ -47,7 +47,7 @@ from typing import Optional
 
 from kvpress_phase.evaluation.arguments import resolve_device
 
-from .config import DEFAULT_TASKS, RECIPES, FinetuneConfig
+from .config import DEFAULT_TASKS, RECIPES, FinetuneConfig, check_run_settings
 from .data import ExampleSource
 from .models import apply_lora, base_model, export_finetuned, load_model, load_tokenizer, resolve_dtype, resolve_model
 from .step import train_step
@@ -71,10 +71,7 @@ def finetune(config: FinetuneConfig, output_dir: str, checkpoint_dir: Optional[s
     from .loop import adamw, cosine_lr, load_checkpoint, run_training
 
     config.validate()
-    if checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-    if max_minutes is not None and not max_minutes > 0:
-        raise ValueError(f"max_minutes must be > 0, got {max_minutes}")
+    check_run_settings(checkpoint_every, max_minutes)
     device = resolve_device(device)
     dtype = resolve_dtype(config.dtype, device)
     if threads:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-from kvpress_phase.core.phase import phase_of
-
 from .base import Placed
 
 PROTOCOLS = ("prefix", "offset")
@@ -57,6 +55,10 @@ def place_answer(example: Paddable, phase: int, stride: int, protocol: str, offs
     ValueError for an unknown ``protocol``; RuntimeError when no padding lands on the phase, or when the padding
     changes the answer's tokens (a tokenizer for which the example's filler layout does not keep them).
     """
+    # imported here: kvpress_phase.core.phase imports torch, and the task registry (the task names that the command
+    # line checks before anything heavy is imported) must not
+    from kvpress_phase.core.phase import phase_of
+
     if protocol == "offset":
         placed = example.unpadded()
         row_offset = (placed.answer_span[0] - phase) % stride

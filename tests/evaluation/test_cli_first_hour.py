@@ -125,3 +125,39 @@ def test_bad_values_are_refused_before_torch_is_imported(argv, flag):
     assert run.stdout.split() == ["2", "False", "False", "False"], run.stdout + run.stderr
     err = run.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"kvpress-phase: error: {flag} ") and "Traceback" not in err
+
+
+CHECKED_FIRST = [
+    (["eval", "--tasks", "niah_single,nosuchtask"], "unknown task 'nosuchtask'; valid task names: niah_single"),
+    (["audit", "knorm", "--tasks", "nosuchtask"], "unknown task 'nosuchtask'; valid task names: niah_single"),
+    (["eval", "--tasks", "vt,vt"], "--tasks lists 'vt' twice"),
+    (["eval", "--strides", "8", "--phases", "8"], "got phase 8 with strides [8]"),
+    (["eval", "--windows", "4", "--strides", "8"], "got window 4 with strides [8]"),
+    (["eval", "--context-lengths", "16"], "got 16"),
+    (["train", "--tasks", "nosuchtask", "--output-dir", "o"], "unknown task 'nosuchtask'"),
+    (["train", "--steps", "0", "--output-dir", "o"], "steps must be an integer >= 1, got 0"),
+    (["train", "--ratios", "1.5", "--output-dir", "o"], "ratios must be a non-empty list of numbers in [0, 1), got "
+                                                        "[1.5]"),
+    (["train", "--checkpoint-every", "0", "--output-dir", "o"], "checkpoint_every must be >= 1, got 0"),
+    (["train", "--max-minutes", "-1", "--output-dir", "o"], "max_minutes must be > 0, got -1.0"),
+]
+
+
+@pytest.mark.parametrize("argv,message", CHECKED_FIRST, ids=[" ".join(a) for a, _ in CHECKED_FIRST])
+def test_bad_settings_checked_after_parsing_are_refused_before_torch_is_imported(argv, message, tmp_path):
+    """Settings the parser passes (a task name, a phase against the strides, a training number) are checked before
+    the command imports torch, kvpress or transformers: exit code 2 and the error line naming the bad value (in a
+    fresh interpreter, so that nothing this test process imported counts; ``audit`` first prints the ``eval``
+    command it runs)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvpress_phase.cli import main; rc = main(%r); "
+            "print(rc, *('torch' in sys.modules, 'kvpress' in sys.modules, 'transformers' in sys.modules))" % argv)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.stdout.split() == ["2", "False", "False", "False"], run.stdout + run.stderr
+    err = run.stderr.strip()
+    last = err.splitlines()[-1]
+    assert last.startswith("kvpress-phase: error: ") and message in last, err
+    assert "Traceback" not in err and len(err.splitlines()) == (2 if argv[0] == "audit" else 1)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "outputs").exists()  # refused before any folder is made
