@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The ratio-regimes dev round of docs/preregistration-ratio-regimes.md, its commands in its order. Every run resumes
-# where it stopped (kvpress-phase eval), so rerunning this script continues the round; a finished run is packed.
+# where it stopped (kvpress-phase eval), so rerunning this script continues the round; a finished run is packed and
+# skipped from then on.
 # Runs answer 3 samples per phase (deviation 1); the first run, begun with 8 before it, finishes with 8.
 #   bash studies/run_regimes.sh            # every run, in order
 #   bash studies/run_regimes.sh smollm2    # one model's runs
@@ -16,6 +17,7 @@ for MODEL in $MODELS; do
     for RUN in "agnostic 10 8" "agnostic 15 12" "question 10 8" "question 15 12"; do
       set -- $RUN
       OUT=outputs/regimes-dev/$MODEL/$1-s$3-$LEN
+      [ -f "$OUT/results/answers.parquet" ] && continue  # finished and packed (eval refuses a packed run)
       FLAG=""; [ "$1" = question ] && FLAG="--query-aware"
       N=3; [ "$MODEL-$1-$3-$LEN" = smollm2-agnostic-8-1024 ] && N=8
       kvpress-phase eval $D --samples $N --context-lengths $LEN --seed $2 --strides $3 $FLAG --output-dir $OUT
