@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from common import append_result, bad_input
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,8 +46,7 @@ def main(argv=None) -> int:
     try:
         specs = [parse_press_spec(text) for text in args.presses.split(",")]
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return bad_input(exc)
     model, tokenizer = load_builtin_model(name=args.model)
     row = generate("niah_single", tokenizer, n_samples=1, context_length=args.context_length, stride=args.stride,
                    phases=[0], protocol="offset", seed=7)[0]
@@ -83,11 +84,8 @@ def main(argv=None) -> int:
         ragged = ragged_bytes(cache, masks)
         lines.append(f"| `{spec.label}` | {seconds * 1000:.1f} | {seconds / prefill_s:.3f} | {stored / 2**20:.2f} | "
                      f"{ragged / 2**20:.2f} | {entries / slots:.1f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write(text + "\n\n")
+    print("\n".join(lines))
+    append_result(args.output, lines)
     return 0
 
 

@@ -13,22 +13,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
 import sys
 import time
 
+from common import cpu_name, set_threads
+
 
 def cpu_description() -> str:
-    """The CPU's model name and whether it has AMX bf16 (Linux; 'unknown' elsewhere)."""
+    """The CPU's model name (:func:`common.cpu_name`) and whether it has AMX bf16 (its flag in ``/proc/cpuinfo``;
+    'without' where that cannot be read)."""
     try:
         with open("/proc/cpuinfo") as fh:
-            text = fh.read()
+            amx = "amx_bf16" in fh.read()
     except OSError:
-        return platform.processor() or "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                "unknown")
-    return f"{name}, {'with' if 'amx_bf16' in text else 'without'} amx_bf16"
+        amx = False
+    return f"{cpu_name()}, {'with' if amx else 'without'} amx_bf16"
 
 
 def time_model(name: str, dtype, context_length: int, repeats: int) -> tuple[float, float]:
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     if bad or args.repeats < 1 or args.context_length < 1 or args.threads < 1:
         parser.error(f"--dtypes takes {', '.join(dtypes)} (got {', '.join(bad)})" if bad else
                      "--repeats, --context-length and --threads must be positive")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     rows = []
     for name in args.models.split(","):
         base = None

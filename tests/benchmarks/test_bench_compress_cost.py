@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import sys
 
 import torch
 from transformers import DynamicCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-
-def _module():
-    path = os.path.join(ROOT, "benchmarks", "bench_compress_cost.py")
-    spec = importlib.util.spec_from_file_location("bench_compress_cost", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import bench_compress_cost  # noqa: E402
 
 
 def test_ragged_bytes_frees_the_masked_entries_and_counts_the_index():
@@ -26,5 +21,5 @@ def test_ragged_bytes_frees_the_masked_entries_and_counts_the_index():
     masks = {1: (torch.tensor([0, 0, 1]), torch.tensor([7, 8, 9]))}
     dense_layer = 2 * 10 * (8 + 4) * 4
     ragged_layer = (20 - 3) * (8 + 4) * 4 + 2 * 2 * 4  # 17 entries, starts and lengths of 2 heads in int32
-    assert _module().ragged_bytes(cache, masks) == dense_layer + ragged_layer
-    assert _module().ragged_bytes(cache, None) == 2 * dense_layer
+    assert bench_compress_cost.ragged_bytes(cache, masks) == dense_layer + ragged_layer
+    assert bench_compress_cost.ragged_bytes(cache, None) == 2 * dense_layer
