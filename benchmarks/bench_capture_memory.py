@@ -34,16 +34,10 @@ import time
 
 import torch
 
+from common import proc_status, reset_peak
+
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
 GiB = 2**30
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _return_freed_memory() -> None:
@@ -57,14 +51,6 @@ def _return_freed_memory() -> None:
         libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
     except OSError:  # not glibc: the peaks may then undercount steps after the first
         pass
-
-
-def _reset_peak() -> int:
-    """Reset VmHWM to the current resident size; return that size."""
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-    return _status("VmRSS")
 
 
 def capture_formula(n: int, layers: int, elt: int, hidden: bool) -> int:
@@ -101,25 +87,25 @@ def measure(engine, n: int, layers: int, elt: int, lean: bool, decode: bool) -> 
     question = torch.randint(4, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
     out = {"tokens": n, "layers": layers}
 
-    base = _reset_peak()
+    base = reset_peak()
     t0 = time.perf_counter()
     state = engine.prefill(ids)  # every input recorded
     out["prefill_s"] = time.perf_counter() - t0
-    out["prefill_peak_growth"] = _status("VmHWM") - base
+    out["prefill_peak_growth"] = proc_status("VmHWM") - base
     out["captured"] = state.captured_bytes()
     out["captured_formula"] = capture_formula(n, layers, elt, hidden=True)
     if decode:
-        base = _reset_peak()
+        base = reset_peak()
         _pipeline_answer(engine, state, None, question, 4)
-        out["decode_uncompressed_peak_growth"] = _status("VmHWM") - base
-        base = _reset_peak()
+        out["decode_uncompressed_peak_growth"] = proc_status("VmHWM") - base
+        base = reset_peak()
         _pipeline_answer(engine, state, ChunkedStridePress(0.5, stride=8), question, 4)
-        out["decode_compressed_peak_growth"] = _status("VmHWM") - base
+        out["decode_compressed_peak_growth"] = proc_status("VmHWM") - base
     del state
     if lean:
-        base = _reset_peak()
+        base = reset_peak()
         state = engine.prefill(ids, reads=frozenset())  # keys and values only (what ChunkedStridePress reads)
-        out["lean_prefill_peak_growth"] = _status("VmHWM") - base
+        out["lean_prefill_peak_growth"] = proc_status("VmHWM") - base
         out["captured_lean"] = state.captured_bytes()
         out["captured_lean_formula"] = capture_formula(n, layers, elt, hidden=False)
         del state

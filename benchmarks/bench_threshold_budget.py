@@ -26,8 +26,7 @@ import sys
 
 import torch
 
-from bench_capture_memory import _reset_peak, _status
-from common import append_result, bad_input, parse_list, parse_names, run_line, set_threads
+from common import append_result, bad_input, parse_list, parse_names, proc_status, reset_peak, run_line, set_threads
 
 
 def make_press(kind: str, ratio: float, stride: int):
@@ -140,9 +139,9 @@ def main(argv=None) -> int:
         prefill(model, ids[:, :256], None)  # warm-up: allocator and first-call costs outside the measure
         for kind in ("none", "layers", "global", "threshold"):
             press = make_press(kind, args.peak_ratio, args.stride)
-            base = _reset_peak()
+            base = reset_peak()
             cache = prefill(model, ids, press)
-            growth = _status("VmHWM") - base
+            growth = proc_status("VmHWM") - base
             nbytes = cache_nbytes(cache)
             del cache
             name = {"none": "no press", "layers": "LayerBudgetPress", "global": "GlobalBudgetPress",

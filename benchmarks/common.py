@@ -1,6 +1,6 @@
 """What the command-line benchmarks share: their lists of numbers and names, the way they refuse bad input (a message
-on stderr, exit code 2, before any model loads), their torch threads, the first line of their Markdown result, and
-appending that result to ``--output``.
+on stderr, exit code 2, before any model loads), their torch threads, the first line of their Markdown result,
+appending that result to ``--output``, and the process's peak resident memory (Linux).
 
     from common import bad_input, parse_list, set_threads
 """
@@ -8,6 +8,7 @@ appending that result to ``--output``.
 from __future__ import annotations
 
 import datetime
+import gc
 import platform
 import sys
 
@@ -70,3 +71,21 @@ def append_result(path: str | None, lines: list[str]) -> None:
     if path:
         with open(path, "a") as fh:
             fh.write("\n".join(lines) + "\n\n")
+
+
+def proc_status(field: str) -> int:
+    """The bytes of ``field`` (``VmRSS``, ``VmHWM``, ...) in ``/proc/self/status``; RuntimeError when it is not
+    there."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak() -> int:
+    """Reset VmHWM to the current resident size; return that size."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    return proc_status("VmRSS")
