@@ -22,8 +22,9 @@ Steps, each recorded with its status, duration and figures (a failed step does n
 4. ``pipeline``: ``ChunkedStridePress`` and ``PhaseAwarePress`` through ``pipeline("kv-press-text-generation")`` on
    a bfloat16 Llama built from a config (Llama-3.1-8B's attention shapes, 2 layers, random weights) at 8k tokens,
    with sdpa and, where the ``flash_attn`` package is installed, flash-attention 2; each with the Triton and the
-   PyTorch backend: every layer's cache length must equal the formula of docs/guide.md ("Exact cache length"), and the two backends' caches must
-   agree within bfloat16 tolerance. Timing: after one call that takes the model's and the pipeline's first uses
+   PyTorch backend: every layer's cache length must equal the formula of docs/guide.md ("Exact cache length"), and the
+   two backends' caches must agree within bfloat16 tolerance. Timing: after one call that takes the model's and the
+   pipeline's first uses
    (``first_call``), every press and backend is called ``1 + PIPELINE_REPEATS`` times, each the same call (a fresh
    press and ``DynamicCache``, 8 new tokens), the two backends alternating: the first call of each is reported
    apart as ``cold`` (a compile or another first use shows there), the others by their median; with every call,

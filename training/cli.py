@@ -70,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", choices=sorted(RECIPES), default=S,
                         help="start from a named configuration; explicit flags override it")
     parser.add_argument("--model", default=S, help="model name (builtin, chunked, smollm2 or qwen2.5-coder-0.5b: real "
-                                                   "models, fetched on first use), local directory or hub id (default: the built-in "
-                                                   "model)")
+                                                   "models, fetched on first use), local directory or hub id "
+                                                   "(default: the built-in model)")
     parser.add_argument("--press", default=S, help=f"chunked_stride or phase_aware, optionally with :key=value "
                                                    f"settings (default: {d.press})")
     parser.add_argument("--ratios", type=csv_list(float, "--ratios"), default=S,

@@ -131,8 +131,8 @@ class FinetuneConfig:
                 raise ValueError(f"press setting {key!r} is set by the trainer (ratios, strides, offset-mode), "
                                  f"not in --press")
         if str(self.press).strip().split(":")[0] not in TRAINABLE_PRESSES:  # before parsing, which lists every press
-            raise ValueError(f"press must be one of {', '.join(TRAINABLE_PRESSES)} (optionally with :key=value settings), "
-                             f"got {self.press!r}")
+            raise ValueError(f"press must be one of {', '.join(TRAINABLE_PRESSES)} (optionally with :key=value "
+                             f"settings), got {self.press!r}")
         if self.ratio_range is not None:
             if len(self.ratio_range) != 2 or not 0 <= self.ratio_range[0] <= self.ratio_range[1] < 1:
                 raise ValueError(f"ratio_range must be [low, high] with 0 <= low <= high < 1, got {self.ratio_range}")
