@@ -39,7 +39,7 @@ from kvpress_phase.evaluation.presses import parse_press_spec
 from studies.common import emit, fmt_p, load, paired_pooled
 from studies.regimes_null import counted_share
 from studies.regimes_runs import (BASELINES, DEV, MATCHED, REFERENCE, SHARE_HEADS, best_baselines, cell_means,
-                                  read_costs)
+                                  read_costs, text_means)
 from studies.regimes_rules import ALPHA, BYTES_CAP, COST_CAP, NEAR, TOLERANCE
 
 SPLIT_CELL = ["model", "setting", "task", "context_length", "stride", "compression_ratio"]
@@ -76,12 +76,6 @@ def parse_recommendation(spec: str, ratios: tuple = DEV.ratios) -> dict:
     return out
 
 
-def text_values(records: pd.DataFrame) -> pd.DataFrame:
-    """A text's mean over its phases, per split cell and press (one column per press)."""
-    compressed = records[records.compression_ratio > 0]
-    return compressed.groupby(SPLIT_CELL + ["sample_id", "press"])["score"].mean().unstack("press")
-
-
 def phase_p(records: pd.DataFrame, press: str) -> pd.Series:
     """The permutation phase test of ``press`` in every split cell it answered."""
     out = {}
@@ -96,7 +90,7 @@ def cell_table(records: pd.DataFrame, dev_best: pd.DataFrame, recommend: dict, c
                seed: int = 0) -> pd.DataFrame:
     """One row per split cell: the recommendation's mean and phase p, the split's best baseline, the dev-chosen
     baseline's mean in the split, and what a tied press would reach there."""
-    texts = text_values(records)
+    texts = text_means(records)
     means = texts.groupby(level=SPLIT_CELL).mean()
     sizes = texts.groupby(level=SPLIT_CELL).size()
     ps = pd.concat([phase_p(records[records.compression_ratio == r], p) for r, p in recommend.items()])
@@ -136,7 +130,7 @@ def cell_table(records: pd.DataFrame, dev_best: pd.DataFrame, recommend: dict, c
 
 def paired_dev_best(records: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
     """(b): per model and ratio, the recommendation minus the dev-chosen baseline, one value per text."""
-    texts = text_values(records)
+    texts = text_means(records)
     rows = []
     for (model, ratio), part in table.dropna(subset=["dev_best"]).groupby(["model", "compression_ratio"]):
         diffs = []
