@@ -13,9 +13,12 @@ the CLI, the reports and the training configuration read these entries, never a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .spellings import WRAPPED, WRAPPERS
+
+if TYPE_CHECKING:  # presses imports this module
+    from .presses import PressSpec
 
 HIDDEN_STATES, ATTENTIONS, QUESTION = "hidden_states", "attentions", "question"
 

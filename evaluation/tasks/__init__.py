@@ -69,7 +69,7 @@ from .base import (
     tail_reserve,
 )
 from .hub import HubDatasetError, load_hub_tasks, replace_needles
-from .placement import PROTOCOLS, draw_filler, place_answer
+from .placement import PROTOCOLS, check_placement, draw_filler, is_int, place_answer
 from .vocab import PAD_WORDS
 
 
@@ -200,10 +200,6 @@ def _resolve_options(spec: TaskSpec, task_options: dict) -> dict:
     return {**spec.options, **task_options}
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _draft(spec: TaskSpec, tokenizer, rng: random.Random, context_length: int, stride: int, options: dict):
     check_context_length(context_length, stride)
     budget = max(0, context_length - context_prefix_length(tokenizer) - tail_reserve(stride))
@@ -272,21 +268,11 @@ def generate(
 
     spec = get_task(task_name).at(revision)
     options = _resolve_options(spec, task_options)
-    if not _is_int(n_samples) or n_samples < 1:
+    if not is_int(n_samples) or n_samples < 1:
         raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")
-    if not _is_int(stride) or stride < 1:
-        raise ValueError(f"stride must be a positive integer, got {stride!r}")
-    if not _is_int(context_length) or context_length < 1:
+    if not is_int(context_length) or context_length < 1:
         raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
-    phases = list(phases)
-    if not phases or any(not _is_int(p) or not 0 <= p < stride for p in phases):
-        raise ValueError(f"phases must be a non-empty list of integers in [0, stride={stride}), got {phases!r}")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    if not _is_int(offset) or not 0 <= offset < stride:
-        raise ValueError(f"offset must be an integer in [0, stride={stride}), got {offset!r}")
-    if not _is_int(seed) or not 0 <= seed < EVAL_SEED_LIMIT:
-        raise ValueError(f"seed must be an integer in [0, {EVAL_SEED_LIMIT}) for evaluation sets, got {seed!r}")
+    phases = check_placement(stride, phases, protocol, offset, seed, seed_what=" for evaluation sets")
     check_tokenizer(tokenizer)
 
     rows = []
@@ -337,11 +323,11 @@ def training_example(
     spec = get_task(task_name)
     options = _resolve_options(spec, task_options)
     require_fast_tokenizer(tokenizer)
-    if not _is_int(context_length) or context_length < 1:
+    if not is_int(context_length) or context_length < 1:
         raise ValueError(f"context_length must be a positive integer, got {context_length!r}")
     if isinstance(rng_or_seed, random.Random):
         sample_seed = rng_or_seed.getrandbits(63)
-    elif _is_int(rng_or_seed):
+    elif is_int(rng_or_seed):
         sample_seed = derive_seed("train", spec.name, rng_or_seed, 0)
     elif hasattr(rng_or_seed, "integers"):
         sample_seed = int(rng_or_seed.integers(0, 2**63 - 1))
@@ -393,6 +379,7 @@ __all__ = [
     "training_example",
     "training_sequence",
     "EVAL_SEED_LIMIT",
+    "PROTOCOLS",
     "check_context_length",
     "derive_seed",
 ]

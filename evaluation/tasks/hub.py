@@ -43,8 +43,8 @@ import warnings
 from typing import Iterable, Optional, Sequence
 
 from ..prompting import check_tokenizer, encode_with_offsets
-from .base import EVAL_SEED_LIMIT, Placed, derive_seed, measure, phase_columns, single_token_words
-from .placement import PROTOCOLS, draw_filler, place_answer
+from .base import Placed, derive_seed, measure, phase_columns, single_token_words
+from .placement import check_placement, draw_filler, place_answer
 from .vocab import PAD_WORDS
 
 KVPRESS_COLUMNS = ("context", "question", "answer_prefix", "answer", "task", "max_new_tokens")
@@ -238,10 +238,6 @@ class _Row:
 
 
 # --------------------------------------------------------------------------------------------- placement
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def replace_needles(
     dataset,
     tokenizer,
@@ -280,17 +276,7 @@ def replace_needles(
     """
     import datasets
 
-    if not _is_int(stride) or stride < 1:
-        raise ValueError(f"stride must be a positive integer, got {stride!r}")
-    phases = list(phases)
-    if not phases or any(not _is_int(p) or not 0 <= p < stride for p in phases):
-        raise ValueError(f"phases must be a non-empty list of integers in [0, stride={stride}), got {phases!r}")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    if not _is_int(offset) or not 0 <= offset < stride:
-        raise ValueError(f"offset must be an integer in [0, stride={stride}), got {offset!r}")
-    if not _is_int(seed) or not 0 <= seed < EVAL_SEED_LIMIT:
-        raise ValueError(f"seed must be an integer in [0, {EVAL_SEED_LIMIT}), got {seed!r}")
+    phases = check_placement(stride, phases, protocol, offset, seed)
     if hasattr(dataset, "column_names"):
         columns = list(dataset.column_names)
     else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-from .base import Placed
+from .base import EVAL_SEED_LIMIT, Placed
 
 PROTOCOLS = ("prefix", "offset")
 """How an example is put at a phase (see the module docstring)."""
@@ -36,6 +36,28 @@ class Paddable(Protocol):
     def padded(self, n_pad: int) -> Placed:
         """``n_pad`` filler words before the needle, the context kept at its length (``padded(0)``: the
         ``"prefix"`` protocol's starting point, whose answer tokens every phase must keep)."""
+
+
+def is_int(x) -> bool:
+    """A plain integer (``True`` and ``False`` are not counts)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_placement(stride, phases, protocol: str, offset, seed, *, seed_what: str = "") -> list:
+    """Check where answers are to be placed, one ``ValueError`` naming the first argument that is wrong; return
+    ``phases`` as a list."""
+    if not is_int(stride) or stride < 1:
+        raise ValueError(f"stride must be a positive integer, got {stride!r}")
+    phases = list(phases)
+    if not phases or any(not is_int(p) or not 0 <= p < stride for p in phases):
+        raise ValueError(f"phases must be a non-empty list of integers in [0, stride={stride}), got {phases!r}")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if not is_int(offset) or not 0 <= offset < stride:
+        raise ValueError(f"offset must be an integer in [0, stride={stride}), got {offset!r}")
+    if not is_int(seed) or not 0 <= seed < EVAL_SEED_LIMIT:
+        raise ValueError(f"seed must be an integer in [0, {EVAL_SEED_LIMIT}){seed_what}, got {seed!r}")
+    return phases
 
 
 def filler_count(stride: int) -> int:

@@ -79,7 +79,7 @@ def _target_of(blocks: list[Block]) -> int:
 
 def build_single(ctx: BuildContext) -> Draft:
     """One report about ``n_people`` people (default: one per ~100 tokens, at least 2)."""
-    o, rng = ctx.options, ctx.rng
+    o = ctx.options
     _check(o)
     check_int(o, "n_people", 2, len(vocab.NAMES), allow_none=True)
     depth = ctx.depth()
