@@ -38,8 +38,8 @@ from kvpress_phase.evaluation.presses import parse_press_spec
 
 from studies.common import emit, fmt_p, load, paired_pooled
 from studies.regimes_null import counted_share
-from studies.regimes_runs import (BASELINES, DEV, MATCHED, REFERENCE, SHARE_HEADS, best_baselines, cell_means,
-                                  read_costs, text_means)
+from studies.regimes_runs import (BASELINES, DEV, MATCHED, REFERENCE, SETTING_NAMES, SHARE_HEADS, best_baselines,
+                                  cell_means, read_costs, text_means)
 from studies.regimes_rules import ALPHA, BYTES_CAP, COST_CAP, NEAR, TOLERANCE
 
 SPLIT_CELL = ["model", "setting", "task", "context_length", "stride", "compression_ratio"]
@@ -157,7 +157,8 @@ def target_markdown(table: pd.DataFrame, costs: dict, recommend: dict) -> str:
         for r in part.itertuples():
             dev = "-" if r.dev_best is None else f"`{r.dev_best}` {r.dev_best_mean:.2f}"
             near_dev = "-" if r.near_dev is None else ("yes" if r.near_dev else "**no**")
-            lines.append(f"| {r.setting} | {r.task} | {r.context_length} | {r.stride} | {r.compression_ratio:g} | "
+            setting = SETTING_NAMES.get(r.setting, r.setting)
+            lines.append(f"| {setting} | {r.task} | {r.context_length} | {r.stride} | {r.compression_ratio:g} | "
                          f"`{r.press}` | {r.mean:.2f} | {fmt_p(r.p)} ({fmt_p(r.p_holm)}) | `{r.best}` "
                          f"{r.best_mean:.2f} | {'yes' if r.near else '**no**'} | {dev} | {near_dev} | "
                          f"{r.tied_reach:.2f} |")
