@@ -39,9 +39,10 @@ from tqdm.auto import tqdm
 
 from kvpress_phase.evaluation.metrics import permutation_p_value
 
+from studies.calibration import flat, weak_phase
 from studies.common import emit
 from studies.regimes_rules import holm_tests, with_best
-from studies.regimes_runs import BASELINES, CELL, best_baselines
+from studies.regimes_runs import BASELINES, best_baselines
 
 CANDIDATE = "candidate"
 GAP_BELOW = 0.15
@@ -67,14 +68,10 @@ def rule1_drop_rate(replicates: int, weak: float = 0.0, seed: int = 0, n_permuta
         ps, stacks = [], {}
         for i, stride in enumerate(strides):
             if weak == 0:
-                rate = rng.uniform(0.05, 0.95)
-                independent = rng.random((3, stride)) < rate
-                one_draw = np.repeat(rng.random((3, 1)) < rate, stride, axis=1)
-                rows = np.where(rng.random((3, 1)) < shared, one_draw, independent).astype(float)
+                truth = flat(rng.uniform(0.05, 0.95), 3, stride, shared)
             else:
-                rates = np.full(stride, 0.9)
-                rates[2] -= weak
-                rows = (rng.random((3, stride)) < rates).astype(float)
+                truth = weak_phase(0.9 - weak, 0.9, 3, stride, phase=2)
+            rows = truth.draw(rng)
             ps.append(permutation_p_value(rows, n_permutations=n_permutations, rng=rng))
             stacks.setdefault((i // 72, stride), []).append(rows)
         cell = holm_tests(pd.DataFrame({"press": CANDIDATE, "p_value": ps}), CANDIDATE)
