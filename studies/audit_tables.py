@@ -14,7 +14,6 @@ every cell's per-phase accuracy, one panel per task and chunk length.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Optional
@@ -23,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from kvpress_phase.evaluation.metrics import boundary_test, holm, phase_matrix
-from studies.common import emit, fmt_number, fmt_p
+from studies.common import emit, fmt_number, fmt_p, read_summaries
 from studies.common import load as load_answers
 from studies.targets import depth_markdown
 
@@ -41,14 +40,7 @@ def load(runs: list[str], cells: Optional[dict] = AUDIT_CELLS) -> tuple[pd.DataF
 
     ``cells`` maps a press label to its audited ratios (default: this study's :data:`AUDIT_CELLS`); None audits every
     press and ratio of the runs but ``no_press`` (an audit of one's own press with ``kvpress-phase audit``)."""
-    records = []
-    for run in runs:
-        path = os.path.join(run, "summary.json")
-        if not os.path.exists(path):
-            raise ValueError(f"{run} has no summary.json: run `kvpress-phase eval` (or `report`) there first")
-        with open(path) as fh:
-            records.extend(json.load(fh))
-    summary = pd.DataFrame(records)
+    summary = read_summaries(runs)
     results = load_answers(runs)
     control = summary[summary.press == "no_press"].set_index(["task", "stride"])["mean"]
     keep = [press != "no_press" if cells is None else ratio in cells.get(press, ())
