@@ -6,6 +6,22 @@ import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
+HEAD_DIM = 8
+"""The head size of :class:`FakeAttention`."""
+INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+
+
+class FakeAttention(torch.nn.Module):
+    """The attributes a press reads from an attention layer, with a real RoPE inverse-frequency table (a press
+    called directly on keys and values, without a model)."""
+
+    def __init__(self, layer_idx=0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = HEAD_DIM
+        self.rotary_emb = torch.nn.Module()
+        self.rotary_emb.register_buffer("inv_freq", INV_FREQ)
+
 
 def tiny_model(family: str, *, num_key_value_heads: int = 2, num_attention_heads: int = 4, head_dim: int = 16,
                dtype: torch.dtype = torch.float32, seed: int = 0, vocab_size: int = 64, num_hidden_layers: int = 2):

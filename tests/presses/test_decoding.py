@@ -4,7 +4,6 @@ compressed_length."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import pickle
 
 import pytest
@@ -12,24 +11,13 @@ import torch
 from kvpress import ComposedPress, KnormPress, PrefillDecodingPress, SnapKVPress
 from transformers import DynamicCache, pipeline
 
-from tiny_models import tiny_model
+from tiny_models import HEAD_DIM, FakeAttention, tiny_model
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress, WindowedDecodingPress
 from kvpress_phase.presses.scorers import SnapKVScorer
 from kvpress_phase.core.phase import compressed_length, group_bounds
 from kvpress_phase.presses import decoding
 
-HEAD_DIM = 8
-INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
 CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))
-
-
-class FakeAttention(torch.nn.Module):
-    def __init__(self, layer_idx=0):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.head_dim = HEAD_DIM
-        self.rotary_emb = torch.nn.Module()
-        self.rotary_emb.register_buffer("inv_freq", INV_FREQ)
 
 
 def _window(ratio, **kw):

@@ -8,23 +8,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from kvpress import KnormPress
 
+from tiny_models import HEAD_DIM, INV_FREQ, FakeAttention
 from kvpress_phase import ChunkedStridePress, HeadBudgetPress, PhaseAwarePress, StaggeredWindowPress
 from kvpress_phase.core.phase import compressed_length, group_bounds, kept_per_window, merge_period, phase_of
 from kvpress_phase.core.rope import rotate
-
-HEAD_DIM = 8
-INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
-
-
-class FakeAttention(torch.nn.Module):
-    """The attributes a press reads from an attention layer, with a real RoPE inverse-frequency table."""
-
-    def __init__(self, layer_idx=0):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.head_dim = HEAD_DIM
-        self.rotary_emb = torch.nn.Module()
-        self.rotary_emb.register_buffer("inv_freq", INV_FREQ)
 
 
 settings.register_profile("kvpress_phase", max_examples=60, deadline=None)
