@@ -9,6 +9,7 @@ budget when that is less); it returns the step's figures, or raises when what it
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -62,19 +63,24 @@ def step_parity(ctx):
     return {"max_abs_diff": checked}
 
 
-def step_kernels(ctx):
+def _bench(ctx, module: str, name: str, gpu_sizes: str) -> dict:
+    """Run ``benchmarks/<module>.py`` (small CPU shapes when ``ctx["small"]``, else ``gpu_sizes`` in bfloat16 on
+    CUDA), its tables written to ``<name>.md`` and ``<name>.json`` in the check's folder; the JSON read back."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_kernels
-
-    path = os.path.join(ctx["out"], "kernels.json")
+    bench = importlib.import_module(module)
+    path = os.path.join(ctx["out"], f"{name}.json")
     if ctx["small"]:
         argv = ["--device", "cpu", "--sizes", "256", "--backends", "triton,torch", "--warmup", "0", "--repeats", "1"]
     else:
-        argv = ["--device", "cuda", "--dtype", "bfloat16", "--sizes", "8192,32768,131072"]
+        argv = ["--device", "cuda", "--dtype", "bfloat16", "--sizes", gpu_sizes]
     with contextlib.redirect_stdout(io.StringIO()):
-        bench_kernels.main(argv + ["--json", path, "--output", os.path.join(ctx["out"], "kernels.md")])
+        bench.main(argv + ["--json", path, "--output", os.path.join(ctx["out"], f"{name}.md")])
     with open(path) as fh:
-        measured = json.load(fh)
+        return json.load(fh)
+
+
+def step_kernels(ctx):
+    measured = _bench(ctx, "bench_kernels", "kernels", "8192,32768,131072")
     rows = measured["rows"]
     diffs = [r for r in rows if r["backend"] == "triton" and "differ" in (r["max_abs_diff"] or "")]
     if diffs:
@@ -91,18 +97,7 @@ RAGGED_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
 def step_ragged(ctx):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_ragged_attention
-
-    path = os.path.join(ctx["out"], "ragged.json")
-    if ctx["small"]:
-        argv = ["--device", "cpu", "--sizes", "256", "--backends", "triton,torch", "--warmup", "0", "--repeats", "1"]
-    else:
-        argv = ["--device", "cuda", "--dtype", "bfloat16", "--sizes", "32768,65536,131072"]
-    with contextlib.redirect_stdout(io.StringIO()):
-        bench_ragged_attention.main(argv + ["--json", path, "--output", os.path.join(ctx["out"], "ragged.md")])
-    with open(path) as fh:
-        measured = json.load(fh)
+    measured = _bench(ctx, "bench_ragged_attention", "ragged", "32768,65536,131072")
     tol = RAGGED_TOLERANCE[measured["dtype"]]
     for r in measured["rows"]:
         if "varlen" not in r:
