@@ -193,8 +193,8 @@ def report(rows: list[dict], argv, layers: int, dtype: str, base_intermediate: i
                   f"{base_intermediate} (least squares over {len(base)} lengths), of which {beta:.2f} * MLP width "
                   f"(MLP {fit[0]['intermediate']} against {base_intermediate} at {fit[0]['tokens']} tokens): "
                   f"A(n) ~ n * bytes per element * ({alpha:.2f} * hidden + {beta:.2f} * MLP width).",
-                  "", "Extrapolated to Llama-3.1-8B (32 layers, MLP 14336, bfloat16, batch 1) with docs/evaluation.md's "
-                  "formulas (an extrapolation, not a GPU measurement):", ""]
+                  "", "Extrapolated to Llama-3.1-8B (32 layers, MLP 14336, bfloat16, batch 1) with "
+                  "docs/evaluation.md's formulas (an extrapolation, not a GPU measurement):", ""]
         lines += extrapolate(alpha, beta)
     return "\n".join(lines) + "\n", exact
 
