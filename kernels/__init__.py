@@ -34,7 +34,8 @@ from kvpress_phase.core.phase import WindowLayout
 from . import naive, naive_ragged
 from .naive import ROPE_MODES, WEIGHTINGS, Compressed
 
-__all__ = ["select_windows", "pool_windows", "keep_and_pool", "ragged_attention", "Compressed", "resolve_backend", "triton_available", "BACKENDS"]
+__all__ = ["select_windows", "pool_windows", "keep_and_pool", "ragged_attention", "Compressed", "resolve_backend",
+           "triton_available", "BACKENDS", "ROPE_MODES", "WEIGHTINGS"]
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "KVPRESS_PHASE_BACKEND"

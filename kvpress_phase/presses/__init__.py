@@ -31,4 +31,4 @@ patch_attention_functions()
 
 __all__ = ["ChunkedStridePress", "PhaseAwarePress", "PerLayerWindowedPress", "WindowedDecodingPress", "WindowedPress",
            "LayerStats", "CacheSummary", "cache_summary", "HeadBudgetPress", "LayerBudgetPress", "GlobalBudgetPress",
-           "StaggeredWindowPress"]
+           "ThresholdBudgetPress", "StaggeredWindowPress"]

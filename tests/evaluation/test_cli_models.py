@@ -88,7 +88,6 @@ def test_empty_or_incomplete_model_folder_names_what_is_missing(command, model_d
 
 
 def test_default_model_is_recorded_and_old_runs_without_it_resume(model_dir, tmp_path, capsys):
-    from kvpress_phase.evaluation.config import EvalConfig
     from kvpress_phase.evaluation.store import RESULTS_DIR
 
     out = tmp_path / "run"

@@ -66,7 +66,6 @@ def _flat_split(rng, shift=0.0, texts=24):
     difficulty (shared by both presses, every setting, ratio and phase), so a text's answers are correlated."""
     import itertools
 
-    import numpy as np
     import pandas as pd
 
     rows = []
