@@ -14,7 +14,7 @@ import copy
 import dataclasses
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from kvpress import BasePress, KVPressTextGenerationPipeline
@@ -264,7 +264,8 @@ class ReplayEngine:
     @torch.inference_mode()
     def answer_many(self, state: Prefill, presses: list, question_ids: torch.Tensor, max_new_tokens: int, *,
                     needles: Optional[list] = None, batch_size: int = 16,
-                    share_scores: Optional[list] = None) -> list[dict]:
+                    share_scores: Optional[list] = None,
+                    on_answer: Optional[Callable[[int], None]] = None) -> list[dict]:
         """Greedy answers to one question under every press of ``presses``, decoded in batches.
 
         Presses whose compressed caches are equal are decoded once (:func:`cache_fingerprint`, masks included);
@@ -273,6 +274,7 @@ class ReplayEngine:
         gives exactly the pipeline's answers). With ``needles`` (a list of token spans), the
         needle-attention diagnostic of every press for every span is taken from the answer's first decoding step.
         ``share_scores``: per press, whether its scores may be shared (:meth:`compressed_cache`; none when None).
+        ``on_answer``: called with a press's index as soon as its answer is known (a progress bar's hook).
         Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
         attends to), ``cache_bytes`` (what the cache stores through kvpress's pipeline, :func:`stored_bytes`),
         ``masses`` (one per needle, or None).
@@ -319,6 +321,8 @@ class ReplayEngine:
                 out[i] = {"prediction": prediction, "cache_length": _attended_length(cache, masks),
                           "cache_bytes": stored_bytes(cache, masks, ragged=stores_ragged(presses[i])),
                           "masses": masses}
+                if on_answer is not None:
+                    on_answer(i)
 
         # Step by step, the presses are decoded in consecutive chunks of batch_size, each chunk's caches grouped by
         # shape. Otherwise up to 4 * batch_size caches wait to be grouped by shape, so that batches stay full, and

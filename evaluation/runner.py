@@ -132,8 +132,11 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
     units = units[rank::world]
     engine = ReplayEngine(model, tokenizer, offload=offload, step_by_step=config.step_by_step)
     todo = [(u, v) for u in units for v in [variants(config, u.stride)]]
+    # answers kept from before count as the bar's start, not into its rate; the bar moves as each press is answered
+    # (miniters=1: tqdm's adaptive miniters would hide the bar for thousands of answers after a quick stretch)
+    resumed = sum(record["key"] in done for u, v in todo for row in u.rows for *_, record in _records(config, u, row, v))
     bar = tqdm(total=sum(len(u.rows) * len(v) for u, v in todo), disable=not progress or rank != 0,
-               desc="phase eval", unit="answer", initial=0)
+               desc="phase eval", unit="answer", initial=resumed, miniters=1)
     with open(shard_path, "a") as shard:
         for n_unit, (unit, unit_variants) in enumerate(todo):
             if max_units is not None and n_unit >= max_units:
@@ -154,6 +157,20 @@ def prefill_prompt(row: dict, compress_question: bool) -> tuple[str, str]:
     return row["context"], row["question"]
 
 
+def _records(config, unit, row, unit_variants):
+    """``(row, spec, ratio, window, record)`` of every variant of ``row``: the record holds the answer's identity
+    (its ``key`` among them), the rest of it is written once the answer is known."""
+    setting = SETTINGS[config.compress_question]
+    for spec, ratio, window in unit_variants:
+        record = {
+            "task": unit.task, "context_length": unit.context_length, "stride": unit.stride,
+            "window": window, "protocol": row["protocol"], "sample_id": row["sample_id"],
+            "phase": row["phase"], "press": spec.label, "compression_ratio": ratio, "setting": setting,
+        }
+        record["key"] = record_key(record)
+        yield row, spec, ratio, window, record
+
+
 def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
     """Answer every (row, variant) of ``unit`` not yet in ``done``, appending one record per answer to ``shard``.
 
@@ -167,25 +184,13 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
 
     # what the unit's presses read decides what the prefill records (offsets do not change it)
     reads = frozenset().union(*[prefill_reads(spec) for spec, _, _ in unit_variants])
-    setting = SETTINGS[config.compress_question]
     prompts: dict[tuple, list] = {}
     for row in unit.rows:
         context, question = prefill_prompt(row, config.compress_question)
         prompts.setdefault((context, question, row["answer_prefix"], row["max_new_tokens"]), []).append(row)
     for prompt, rows in prompts.items():
-        pending = []
-        for row in rows:
-            for spec, ratio, window in unit_variants:
-                record = {
-                    "task": unit.task, "context_length": unit.context_length, "stride": unit.stride,
-                    "window": window, "protocol": row["protocol"], "sample_id": row["sample_id"],
-                    "phase": row["phase"], "press": spec.label, "compression_ratio": ratio, "setting": setting,
-                }
-                record["key"] = record_key(record)
-                if record["key"] in done:
-                    bar.update(1)
-                else:
-                    pending.append((row, spec, ratio, window, record))
+        pending = [item for row in rows for item in _records(config, unit, row, unit_variants)
+                   if item[-1]["key"] not in done]
         if not pending:
             continue
         context, question, answer_prefix, max_new_tokens = prompt
@@ -196,19 +201,22 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
         question_ids = encoded["questions_ids"][0]
         needles = sorted({(row["needle_token_start"], row["needle_token_end"]) for row, *_ in pending})
         jobs: dict[tuple, int] = {}
-        presses, shared = [], []
+        presses, shared, answered = [], [], []  # answered: per press, how many of the pending answers it gives
         for row, spec, ratio, window, record in pending:
             offset = row["offset"] if spec.entry.grid_offset else 0
             job = (spec.label, ratio, window, offset)
-            if job not in jobs:
+            if job in jobs:
+                answered[jobs[job]] += 1
+            else:
                 jobs[job] = len(presses)
+                answered.append(1)
                 presses.append(build_press(spec, ratio, unit.stride, window, offset,
                                            matched_context_length=state.context_length if config.matched_cache
                                            else None))
                 shared.append(shares_scores(spec))
         answers = engine.answer_many(state, presses, question_ids, max_new_tokens, share_scores=shared,
                                      needles=needles if config.diagnostics else None,
-                                     batch_size=config.decode_batch)
+                                     batch_size=config.decode_batch, on_answer=lambda i: bar.update(answered[i]))
         full_masses: dict = {}
         if config.diagnostics:
             plain = [i for i, p in enumerate(presses) if p is None]
@@ -242,7 +250,6 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
             shard.write(json.dumps(record) + "\n")
             shard.flush()
             done.add(record["key"])
-            bar.update(1)
 
 
 def _check_question_appended(engine, row: dict, encoded: dict) -> None:

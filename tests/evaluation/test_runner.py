@@ -86,6 +86,38 @@ def test_interrupted_run_resumes_without_loss_or_duplicates(model, word_tokenize
         assert all(json.loads(line) for line in fh)
 
 
+def test_progress_bar_starts_at_the_kept_answers_and_moves_as_answers_are_known(model, word_tokenizer, tmp_path,
+                                                                               monkeypatch):
+    import tqdm.auto
+
+    config, out = _config(), str(tmp_path / "run")
+    shard = os.path.join(out, "results", "results-rank0.jsonl")
+    bars = []
+
+    class Recorder:  # the bar's count beside the answers written when it moves
+        def __init__(self, total, initial, disable, **kw):
+            self.total, self.n, self.initial, self.seen = total, initial, initial, []
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+            with open(shard) as fh:
+                self.seen.append((self.n, sum(1 for _ in fh)))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    kept = len(run_evaluation(config, model, word_tokenizer, out, progress=True, max_units=1))
+    resumed = run_evaluation(config, model, word_tokenizer, out, progress=True)
+    first, second = bars
+    assert first.initial == 0 and second.initial == kept > 0
+    assert second.n == second.total == len(resumed) == 3 * 4 * 3  # samples x phases x presses
+    assert all(n >= written for n, written in second.seen)
+    # the bar counts a press's answers when they are decoded, before its prompt's records are written
+    assert any(n > written for n, written in second.seen)
+
+
 def test_changed_arguments_do_not_mix_into_old_results(model, word_tokenizer, tmp_path):
     run_evaluation(_config(samples=1), model, word_tokenizer, str(tmp_path), progress=False)
     with pytest.raises(ValueError, match=r"holds a run with --samples 1; this command has --samples 2 \(use another "
