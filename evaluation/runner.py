@@ -134,7 +134,8 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
     todo = [(u, v) for u in units for v in [variants(config, u.stride)]]
     # answers kept from before count as the bar's start, not into its rate; the bar moves as each press is answered
     # (miniters=1: tqdm's adaptive miniters would hide the bar for thousands of answers after a quick stretch)
-    resumed = sum(record["key"] in done for u, v in todo for row in u.rows for *_, record in _records(config, u, row, v))
+    resumed = sum(record["key"] in done
+                  for u, v in todo for row in u.rows for *_, record in _records(config, u, row, v))
     bar = tqdm(total=sum(len(u.rows) * len(v) for u, v in todo), disable=not progress or rank != 0,
                desc="phase eval", unit="answer", initial=resumed, miniters=1)
     with open(shard_path, "a") as shard:
