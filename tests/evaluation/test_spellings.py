@@ -132,12 +132,34 @@ def _table(df: pd.DataFrame) -> pd.DataFrame:
             .sort_index())
 
 
+def _labels_as_written(run: str) -> set[str]:
+    """The press labels a run was written under, read from the packed file's one column and the shards."""
+    import pyarrow.parquet as pq
+
+    folder = os.path.join(run, RESULTS_DIR)
+    packed = os.path.join(folder, "answers.parquet")
+    labels = set(pq.read_table(packed, columns=["press"]).column("press").to_pylist()) if os.path.exists(packed) \
+        else set()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            labels |= {record["press"] for record in read_shard(os.path.join(folder, name))}
+    return labels
+
+
 def test_every_committed_run_reads_its_tables_identically_under_todays_labels():
+    """Runs written under a former spelling are read in full, before and after; a run written under today's labels
+    only needs its labels checked (nothing is renamed on reading it), which keeps the test's time from growing with
+    every run committed from now on."""
     runs = _committed_runs()
     if not runs:
         pytest.skip("no committed runs in this checkout")
     renamed = set()
     for run in runs:
+        labels = _labels_as_written(run)
+        if all(canonical_label(label) == label for label in labels):
+            for label in labels:
+                assert parse_press_spec(label).label == label, (run, label)
+            continue
         written = _as_written(run)
         loaded = read_results(run)
         today = {label: canonical_label(label) for label in written["press"].unique()}
