@@ -37,6 +37,10 @@ protocol (and per model and per seed when the table holds several, :func:`group_
 - ``detectable_gap``: the smallest drop of one phase below all others that the permutation test detects with
   80% power at level 0.05 with this many samples and phases, whatever the accuracy level (see
   :func:`detectable_gap`): what the cell can and cannot see;
+- ``partial_mean`` (tasks that need every reference of several, when the results carry ``prediction`` and
+  ``answer``): the mean over phases of RULER's credit, the share of the references an answer holds
+  (:func:`~.tasks.partial_score`); it reads "three values of four" where ``score`` reads 0, for comparison with
+  RULER's published figures. Every statistic above is computed on ``score``;
 - ``attention_per_phase`` (when the results carry ``needle_attention_ratio``): mean ratio of the needle's
   attention mass under the press to its mass with the full cache, per phase (see :mod:`.diagnostics`).
 
@@ -297,6 +301,7 @@ def summarize_group(df: pd.DataFrame, stride: int, *, n_resamples: int = 2000, n
                                             confidence=confidence, rng=rng)
     return {
         "mean": _clean(float(np.mean(per_phase[present]))),
+        "partial_mean": _partial_mean(df, stride),
         "per_phase": [_clean(x) for x in per_phase],
         "per_phase_ci": [[_clean(a), _clean(b)] for a, b in intervals],
         "worst_phase": int(worst),
@@ -321,6 +326,28 @@ def summarize_group(df: pd.DataFrame, stride: int, *, n_resamples: int = 2000, n
         "window_ratio": _mean_of(df, "window_ratio"),
         "per_depth": _per_depth(df),
     }
+
+
+def _partial_mean(df: pd.DataFrame, stride: int):
+    """The mean over phases of RULER's credit per answer (:func:`~.tasks.partial_score`), as ``mean`` is of the
+    scores; None where a task needs any one reference or the answers hold one each (the credit is the score), or the
+    answers are not in ``df``."""
+    from .tasks import TASKS, partial_score
+
+    if not {"task", "prediction", "answer"} <= set(df.columns) or df.empty:
+        return None
+    tasks = set(df["task"])
+    if len(tasks) != 1 or next(iter(tasks)) not in TASKS or not TASKS[next(iter(tasks))].require_all:
+        return None
+    answers = [[a] if isinstance(a, str) else list(a) for a in df["answer"]]
+    if max(len(a) for a in answers) < 2:
+        return None
+    credit = [partial_score("" if p is None else str(p), a, t)
+              for p, a, t in zip(df["prediction"], answers, df["task"])]
+    matrix, present = phase_matrix(df.assign(score=credit), stride)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _clean(float(np.mean(np.nanmean(matrix, axis=0)[present])))
 
 
 def _mean_of(df: pd.DataFrame, column: str):

@@ -50,8 +50,10 @@ def _seed_order(seed) -> int:
 
 def summary_table(records: list[dict]) -> pd.DataFrame:
     """A compact table of the summary records, one row each (the calibrated statistics first), with ``model`` and
-    ``seed`` columns first when the records hold several (:func:`split_columns`)."""
+    ``seed`` columns first when the records hold several (:func:`split_columns`), and ``RULER credit`` beside the
+    mean when a record has one (``partial_mean``: tasks that need every reference)."""
     split = split_columns(records)
+    partial = any(r.get("partial_mean") is not None for r in records)
     rows = []
     for r in records:
         rows.append({
@@ -61,7 +63,8 @@ def summary_table(records: list[dict]) -> pd.DataFrame:
             "cache MiB": None if r.get("cache_bytes") is None else round(r["cache_bytes"] / 2**20, 3),
             "stride": r["stride"],
             "protocol": r["protocol"], "setting": SETTING_LABELS.get(r.get("setting"), r.get("setting") or "-"),
-            "mean": r["mean"], "worst": r["worst"], "boundary": r["boundary"],
+            "mean": r["mean"], **({"RULER credit": r.get("partial_mean")} if partial else {}),
+            "worst": r["worst"], "boundary": r["boundary"],
             "p (phase test)": r["p_value"], "gap (cross-fit)": r["gap_xfit"],
             "gap 95% CI": f"[{_fmt(r['gap_xfit_ci_low'])}, {_fmt(r['gap_xfit_ci_high'])}]",
             "detectable gap": r["detectable_gap"], "plug-in gap": r["gap"], "n": r["n_samples"],
@@ -311,6 +314,9 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
         "is appended after compression (kvpress's pipeline), `query-aware` = the question is compressed with the "
         "context (`--query-aware`, kvpress's `query_aware`). `by depth` = "
         "accuracy in five equal bins of the needle's depth in the context, start to end."
+        + (" `RULER credit` (tasks that need every reference): the mean over phases of the share of the references "
+           "an answer holds, RULER's `string_match_all`; `mean` and every statistic count an answer right only "
+           "when it holds them all." if any(r.get("partial_mean") is not None for r in records) else "")
         + (f" {' and '.join(f'`{c}`' for c in split)}: the answers of each {' and each '.join(split)} are "
            "summarised apart, never pooled." if split else ""),
         "",

@@ -189,6 +189,19 @@ def score(prediction: str, answers: Iterable[str] | str, task: str, whole_words:
     return float(all(hits) if get_task(task).require_all else any(hits))
 
 
+def partial_score(prediction: str, answers: Iterable[str] | str, task: str, whole_words: bool = True) -> float:
+    """RULER's credit for one answer: the share of the references ``prediction`` holds, for the tasks that need all
+    of them (RULER's ``string_match_all``, computed per answer); :func:`score` for the others. It is 1.0 exactly
+    when :func:`score` is, and tells "three of four values" from "none" where :func:`score` reads 0 for both. Reports
+    show it beside the accuracy (``partial_mean``); every statistic is computed on :func:`score`."""
+    refs = [answers] if isinstance(answers, str) else list(answers)
+    if not refs:
+        raise ValueError("answers must hold at least one reference")
+    if not get_task(task).require_all:
+        return score(prediction, refs, task, whole_words)
+    return sum(_found(r, prediction, whole_words) for r in refs) / len(refs)
+
+
 # --------------------------------------------------------------------------------------------- generation
 def _resolve_options(spec: TaskSpec, task_options: dict) -> dict:
     unknown = sorted(set(task_options) - set(spec.options))
@@ -376,6 +389,7 @@ __all__ = [
     "replace_needles",
     "list_tasks",
     "score",
+    "partial_score",
     "training_example",
     "training_sequence",
     "EVAL_SEED_LIMIT",

@@ -90,6 +90,25 @@ def test_summarize_groups_and_missing_phases():
     assert recs[0]["n_samples"] == 20 and recs[0]["n_paired"] == 20
 
 
+def test_ruler_credit_is_reported_beside_the_mean_for_tasks_that_need_every_reference():
+    from kvpress_phase.evaluation.report import summary_table
+
+    refs = ["11 11", "22 22", "33 33", "44 44"]
+    answers = {0: "11 11, 22 22, 33 33, 44 44", 1: "11 11, 22 22, 33 33", 2: "none", 3: "44 44"}  # 1, 3/4, 0, 1/4
+    df = pd.DataFrame([dict(task="niah_multivalue", press="x", compression_ratio=0.5, stride=4, protocol="offset",
+                            phase=p, sample_id=s, answer=refs, prediction=answers[(p + s) % 4],
+                            score=float((p + s) % 4 == 0)) for s in range(4) for p in range(4)])
+    rec = summarize_group(df, 4)
+    assert rec["mean"] == pytest.approx(0.25)
+    assert rec["partial_mean"] == pytest.approx((1 + 0.75 + 0 + 0.25) / 4)
+    assert summarize_group(df.assign(task="qa_single_doc"), 4)["partial_mean"] is None  # any one: the score
+    one = df.assign(answer=[["11 11"]] * len(df))
+    assert summarize_group(one, 4)["partial_mean"] is None  # one reference each: the score
+    assert summarize_group(df.drop(columns=["prediction"]), 4)["partial_mean"] is None
+    assert "RULER credit" in summary_table(summarize(df, n_resamples=50)).columns
+    assert "RULER credit" not in summary_table(summarize(table([0.5] * 4, n=10), n_resamples=50)).columns
+
+
 def test_an_interrupted_sample_is_left_out_of_the_paired_statistics():
     df = table([0.8] * 4, n=12)
     df = df[~((df.sample_id == 3) & (df.phase == 1))]

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvpress_phase.evaluation.prompting import context_token_ids, question_token_ids
-from kvpress_phase.evaluation.tasks import TASKS, generate, get_task, score, training_example, vocab
+from kvpress_phase.evaluation.tasks import TASKS, generate, get_task, partial_score, score, training_example, vocab
 from kvpress_phase.core.phase import phase_of
 
 ALL_TASKS = list(TASKS)
@@ -189,6 +189,48 @@ def test_score():
     assert score("17", ["7"], "passage_count") == 0.0
     with pytest.raises(ValueError, match="valid task names"):
         score("x", ["x"], "nope")
+
+
+def test_partial_score_is_rulers_share_of_the_references():
+    refs = ["48 21", "33 90", "12 12", "70 05"]
+    assert partial_score("48 21 , 33 90 and 12 13", refs, "niah_multivalue") == 0.5
+    assert partial_score("nothing", refs, "niah_multivalue") == 0.0
+    assert partial_score("148 21", ["48 21"], "niah_multivalue") == 0.0  # the whole-word rule of score
+    assert partial_score("Paris", ["Paris", "Rome"], "qa_single_doc") == 1.0  # any one reference: the score
+    assert partial_score("Rome", "Rome", "niah_single") == 1.0
+    with pytest.raises(ValueError, match="at least one reference"):
+        partial_score("x", [], "niah_multivalue")
+    with pytest.raises(ValueError, match="valid task names"):
+        partial_score("x", ["x"], "nope")
+
+
+@pytest.mark.parametrize("task", [name for name, spec in TASKS.items() if spec.require_all])
+def test_partial_score_is_one_exactly_when_score_is(task):
+    rng = random.Random(task)
+    refs = ["48 21", "33 90", "12 12"]
+    for _ in range(200):
+        prediction = " , ".join(rng.sample(refs + ["48 2", "90 33", "x"], rng.randint(0, 5)))
+        credit = partial_score(prediction, refs, task)
+        assert (credit == 1.0) == (score(prediction, refs, task) == 1.0)
+        assert credit in (0.0, 1 / 3, 2 / 3, 1.0)
+
+
+def test_partial_score_agrees_with_the_committed_scores():
+    """On a committed run's niah_multivalue answers, the credit is 1 exactly where the score written at answer time is."""
+    import os
+
+    import pandas as pd
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "outputs", "regimes-dev", "qwen2.5-coder-0.5b",
+                        "agnostic-s8-1024", "results", "answers.parquet")
+    if not os.path.exists(path):
+        pytest.skip("the committed run is not in this checkout")
+    df = pd.read_parquet(path, columns=["task", "answer", "prediction", "score"]).query("task == 'niah_multivalue'")
+    credit = pd.Series([partial_score(p, list(a), t) for p, a, t in zip(df.prediction, df.answer, df.task)],
+                       index=df.index)
+    assert len(df) > 1000
+    assert ((credit == 1.0) == (df.score == 1.0)).all()
+    assert ((credit > 0) & (credit < 1)).any()  # answers that hold some of the values, which the score reads as 0
 
 
 @pytest.mark.parametrize("task", ALL_TASKS)
