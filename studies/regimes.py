@@ -14,7 +14,9 @@ folder that does not exist or holds no answers yet is listed as not started) and
    among every registered kvpress baseline, :func:`~.common.kvpress_baselines`, ``dms_kvzap`` included), and every
    baseline's mean;
 3. each press of ours paired by text with the best baseline of each cell, per model and ratio and per ratio;
-4. what the round can detect (the pre-registration's figures, with the number of texts actually present);
+4. what the round can detect (the pre-registration's figures, with the number of texts actually present), the
+   entries kept, and, exploratory and read by no rule, the ``niah_multivalue`` cells under RULER's partial credit
+   (:func:`credit_markdown`);
 5. the decision rule, rules 1-6 in their order (:mod:`studies.regimes_rules`, which states them as coded), only when
    every planned run holds every answer it plans (otherwise ``decision pending: N of M runs finished``); the
    mechanisms' scores (rule 6) come with it.
@@ -86,8 +88,8 @@ def status_markdown(round_: Round, design: Design = DEV) -> str:
     return "\n".join(lines)
 
 
-def cells_markdown(means: pd.DataFrame, best: pd.DataFrame, design: Design = DEV) -> str:
-    """Per model: ours against the best baseline of each cell, then every baseline's mean."""
+def cells_markdown(means: pd.DataFrame, best: pd.DataFrame, design: Design = DEV, every_baseline: bool = True) -> str:
+    """Per model: ours against the best baseline of each cell, then (``every_baseline``) every baseline's mean."""
     joined = with_best(means, best)
     nopress = means[means.press == "no_press"].set_index(["model", "setting", "task", "context_length"])["mean"]
     ours = [p for p in (MATCHED,) + OURS]
@@ -115,6 +117,8 @@ def cells_markdown(means: pd.DataFrame, best: pd.DataFrame, design: Design = DEV
             lines.append(f"| {SETTING_NAMES.get(setting, setting)} | {task} | {length} | {ratio:g} | {texts} | "
                          f"{fmt_number(full, 2)} | " + " | ".join(marks) + f" | `{b['best']}` {b['best_mean']:.2f} |")
         lines += ["", "Each press: its mean (its difference to the best baseline); x: more than 0.03 below it.", ""]
+        if not every_baseline:
+            continue
         answered = [p for p in BASELINES if p in set(part.press)]
         lines += [f"#### {model}: every kvpress baseline", "",
                   "| setting | task | tokens | ratio | " + " | ".join(f"`{p}`" for p in answered) + " |",
@@ -126,6 +130,23 @@ def cells_markdown(means: pd.DataFrame, best: pd.DataFrame, design: Design = DEV
                          + " | ".join(values) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+CREDIT_TASK = "niah_multivalue"
+
+
+def credit_markdown(records: pd.DataFrame, design: Design = DEV) -> str:
+    """Exploratory, read by no rule: the cells of :data:`CREDIT_TASK` with each answer scored by RULER's credit (the
+    share of the four values it holds, :func:`~kvpress_phase.evaluation.tasks.partial_score`) instead of all or
+    nothing; where every press scores 0 (SmolLM2 at 2,048 tokens) it still orders them."""
+    from kvpress_phase.evaluation.tasks import partial_score
+
+    part = records[records.task == CREDIT_TASK] if "task" in records else records.iloc[:0]
+    if part.empty or not {"prediction", "answer"} <= set(part.columns):
+        return f"(no {CREDIT_TASK} answers with their predictions yet)"
+    credit = [partial_score(str(p), list(a), t) for p, a, t in zip(part.prediction, part.answer, part.task)]
+    means = cell_means(part.assign(score=credit))
+    return cells_markdown(means, best_baselines(means), design, every_baseline=False)
 
 
 def paired_with_best(records: pd.DataFrame, best: pd.DataFrame, presses: tuple = OURS) -> pd.DataFrame:
@@ -279,7 +300,12 @@ def report(paths: list[str], cost_specs: Optional[list] = None, entries: Optiona
               "### Paired by text with the best baseline of each cell", "",
               paired_markdown(paired_with_best(records, best)), "",
               "### What the dev round can detect", "", detect_markdown(records, design), "",
-              "### Entries kept over the dev answers", "", entries_markdown(records), ""]
+              "### Entries kept over the dev answers", "", entries_markdown(records), "",
+              f"### Exploratory: RULER's credit on {CREDIT_TASK} (read by no rule)", "",
+              f"Each answer scored by the share of the values it holds (RULER's `string_match_all`) instead of all or "
+              f"nothing; the best baseline is the best by this credit. Not pre-registered: the decision below reads "
+              f"the 0/1 scores only.", "",
+              credit_markdown(records, design), ""]
     for model, path, text in quoted:
         parts += [f"`{path}`{' (' + model + ')' if model else ''}, benchmarks/bench_threshold_budget.py:", "",
                   "\n".join("> " + line if line else ">" for line in text.splitlines()), ""]

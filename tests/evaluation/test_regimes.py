@@ -331,3 +331,24 @@ def test_the_null_simulation_counts_what_the_rules_see():
     assert 0.3 < tied < 0.95
     weak = regimes_null.rule1_drop_rate(2, weak=0.4, n_permutations=200, progress=False)
     assert weak["per_cell"] == 0.0 and weak["pooled"] == 1.0 and weak["pooled_tests"] == 4
+
+
+def test_rulers_credit_orders_presses_that_all_score_zero():
+    """Exploratory table: every answer misses a value (score 0 everywhere), the credit still tells 3 of 4 from 1 of 4,
+    and the best baseline is the best by credit."""
+    values = ["11 11", "22 22", "33 33", "44 44"]
+    held = {"no_press": 4, MATCHED: 1, REFERENCE: 3, "keydiff": 2, "kvzip": 1}
+    rows = []
+    for press, n in held.items():
+        for ratio in ([0.0] if press == "no_press" else [0.25]):
+            for sample, phase in itertools.product(range(2), range(2)):
+                rows.append({"model": "smollm2", "setting": SETTINGS[False], "task": "niah_multivalue",
+                             "context_length": 256, "compression_ratio": ratio, "stride": 2, "sample_id": sample,
+                             "phase": phase, "press": press, "answer": values, "prediction": ", ".join(values[:n]),
+                             "score": float(n == 4)})
+    records = pd.DataFrame(rows)
+    out = regimes.credit_markdown(records, TINY)
+    row = next(line for line in out.splitlines() if line.startswith("| query-agnostic | niah_multivalue | 256 | 0.25"))
+    assert "| 1.00 | 0.25 (-0.25) x | 0.75 (+0.25) |" in row and row.endswith("| `keydiff` 0.50 |")
+    assert "every kvpress baseline" not in out
+    assert "no niah_multivalue answers" in regimes.credit_markdown(records.drop(columns="prediction"), TINY)
