@@ -302,9 +302,9 @@ def report(paths: list[str], cost_specs: Optional[list] = None, entries: Optiona
               "### What the dev round can detect", "", detect_markdown(records, design), "",
               "### Entries kept over the dev answers", "", entries_markdown(records), "",
               f"### Exploratory: RULER's credit on {CREDIT_TASK} (read by no rule)", "",
-              f"Each answer scored by the share of the values it holds (RULER's `string_match_all`) instead of all or "
-              f"nothing; the best baseline is the best by this credit. Not pre-registered: the decision below reads "
-              f"the 0/1 scores only.", "",
+              "Each answer scored by the share of the values it holds (RULER's `string_match_all`) instead of all or "
+              "nothing; the best baseline is the best by this credit. Not pre-registered: the decision below reads "
+              "the 0/1 scores only.", "",
               credit_markdown(records, design), ""]
     for model, path, text in quoted:
         parts += [f"`{path}`{' (' + model + ')' if model else ''}, benchmarks/bench_threshold_budget.py:", "",
