@@ -332,18 +332,15 @@ def _partial_mean(df: pd.DataFrame, stride: int):
     """The mean over phases of RULER's credit per answer (:func:`~.tasks.partial_score`), as ``mean`` is of the
     scores; None where a task needs any one reference or the answers hold one each (the credit is the score), or the
     answers are not in ``df``."""
-    from .tasks import TASKS, partial_score
+    from .tasks import TASKS, partial_score, references
 
-    if not {"task", "prediction", "answer"} <= set(df.columns) or df.empty:
+    if df.empty or not {"task", "prediction", "answer"} <= set(df.columns) or df["task"].nunique() != 1:
         return None
-    tasks = set(df["task"])
-    if len(tasks) != 1 or next(iter(tasks)) not in TASKS or not TASKS[next(iter(tasks))].require_all:
+    task = df["task"].iloc[0]
+    answers = [references(a) for a in df["answer"]]
+    if task not in TASKS or not TASKS[task].require_all or max(map(len, answers)) < 2:
         return None
-    answers = [[a] if isinstance(a, str) else list(a) for a in df["answer"]]
-    if max(len(a) for a in answers) < 2:
-        return None
-    credit = [partial_score("" if p is None else str(p), a, t)
-              for p, a, t in zip(df["prediction"], answers, df["task"])]
+    credit = [partial_score("" if p is None else str(p), a, task) for p, a in zip(df["prediction"], answers)]
     matrix, present = phase_matrix(df.assign(score=credit), stride)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

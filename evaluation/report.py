@@ -48,12 +48,17 @@ def _seed_order(seed) -> int:
     return -1 if seed is None else int(seed)
 
 
+def has_credit(records: list[dict]) -> bool:
+    """Whether a summary record has RULER's credit (``partial_mean``), which the report then shows."""
+    return any(r.get("partial_mean") is not None for r in records)
+
+
 def summary_table(records: list[dict]) -> pd.DataFrame:
     """A compact table of the summary records, one row each (the calibrated statistics first), with ``model`` and
     ``seed`` columns first when the records hold several (:func:`split_columns`), and ``RULER credit`` beside the
     mean when a record has one (``partial_mean``: tasks that need every reference)."""
     split = split_columns(records)
-    partial = any(r.get("partial_mean") is not None for r in records)
+    partial = has_credit(records)
     rows = []
     for r in records:
         rows.append({
@@ -316,7 +321,7 @@ def write_reports(results: pd.DataFrame, output_dir: str, config: Optional[dict]
         "accuracy in five equal bins of the needle's depth in the context, start to end."
         + (" `RULER credit` (tasks that need every reference): the mean over phases of the share of the references "
            "an answer holds, RULER's `string_match_all`; `mean` and every statistic count an answer right only "
-           "when it holds them all." if any(r.get("partial_mean") is not None for r in records) else "")
+           "when it holds them all." if has_credit(records) else "")
         + (f" {' and '.join(f'`{c}`' for c in split)}: the answers of each {' and each '.join(split)} are "
            "summarised apart, never pooled." if split else ""),
         "",

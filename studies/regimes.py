@@ -144,7 +144,8 @@ def credit_markdown(records: pd.DataFrame, design: Design = DEV) -> str:
     part = records[records.task == CREDIT_TASK] if "task" in records else records.iloc[:0]
     if part.empty or not {"prediction", "answer"} <= set(part.columns):
         return f"(no {CREDIT_TASK} answers with their predictions yet)"
-    credit = [partial_score(str(p), list(a), t) for p, a, t in zip(part.prediction, part.answer, part.task)]
+    credit = [partial_score("" if p is None else str(p), list(a), t)
+              for p, a, t in zip(part.prediction, part.answer, part.task)]
     means = cell_means(part.assign(score=credit))
     return cells_markdown(means, best_baselines(means), design, every_baseline=False)
 

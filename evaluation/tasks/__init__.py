@@ -174,6 +174,14 @@ def _found(reference: str, prediction: str, whole_words: bool) -> bool:
     return re.search(r"(?<![0-9a-z])" + re.escape(ref) + r"(?![0-9a-z])", pred) is not None
 
 
+def references(answers: Iterable[str] | str) -> list[str]:
+    """``answers`` as a list of references (a string is one); ValueError when there is none."""
+    refs = [answers] if isinstance(answers, str) else list(answers)
+    if not refs:
+        raise ValueError("answers must hold at least one reference")
+    return refs
+
+
 def score(prediction: str, answers: Iterable[str] | str, task: str, whole_words: bool = True) -> float:
     """1.0 when ``prediction`` holds the answers, else 0.0 (case-insensitive substring match).
 
@@ -182,9 +190,7 @@ def score(prediction: str, answers: Iterable[str] | str, task: str, whole_words:
     letter or digit on either side, so "Paragraph 1" does not match "Paragraph 12" and "7" does not match
     "17"; ``whole_words=False`` is kvpress's plain substring rule.
     """
-    refs = [answers] if isinstance(answers, str) else list(answers)
-    if not refs:
-        raise ValueError("answers must hold at least one reference")
+    refs = references(answers)
     hits = [_found(r, prediction, whole_words) for r in refs]
     return float(all(hits) if get_task(task).require_all else any(hits))
 
@@ -194,9 +200,7 @@ def partial_score(prediction: str, answers: Iterable[str] | str, task: str, whol
     of them (RULER's ``string_match_all``, computed per answer); :func:`score` for the others. It is 1.0 exactly
     when :func:`score` is, and tells "three of four values" from "none" where :func:`score` reads 0 for both. Reports
     show it beside the accuracy (``partial_mean``); every statistic is computed on :func:`score`."""
-    refs = [answers] if isinstance(answers, str) else list(answers)
-    if not refs:
-        raise ValueError("answers must hold at least one reference")
+    refs = references(answers)
     if not get_task(task).require_all:
         return score(prediction, refs, task, whole_words)
     return sum(_found(r, prediction, whole_words) for r in refs) / len(refs)
@@ -390,6 +394,7 @@ __all__ = [
     "list_tasks",
     "score",
     "partial_score",
+    "references",
     "training_example",
     "training_sequence",
     "EVAL_SEED_LIMIT",
