@@ -113,6 +113,54 @@ def traffic(layout: WindowLayout, mode: str, weighting: str, row_bytes: int, bat
     return batch_heads * (read_rows * row_bytes + scores + written)
 
 
+def bench_size(n: int, args, k: int, row_bytes: int, elt: int, inv_freq: torch.Tensor) -> list[tuple]:
+    """The table rows of one sequence length: the copy, then every op on every backend."""
+    device, backends, specs = args.device, args.backends, op_specs(args)
+    B, H, D = args.batch, args.heads, args.head_dim
+    rows = []
+    g = torch.Generator(device=device).manual_seed(n)
+    keys = torch.randn(B, H, n, D, generator=g, device=device).to(args.dtype)
+    values = torch.randn(B, H, n, D, generator=g, device=device).to(args.dtype)
+    scores = torch.randn(B, H, n, generator=g, device=device)
+
+    def copy():
+        torch.empty_like(keys).copy_(keys)
+        torch.empty_like(values).copy_(values)
+
+    t_copy = timer(copy, device, args.warmup, args.repeats)
+    copy_bytes = 2 * 2 * keys.numel() * elt
+    copy_bw = copy_bytes / t_copy
+    rows.append((n, "copy k+v", "torch", t_copy, copy_bw, None, 1.0, ""))
+    for name in args.ops:
+        window, weighting, rope, mode = specs[name]
+        layout = WindowLayout.build(n, window=window, stride=args.stride, k=k, offsets=0, n_sink=args.n_sink,
+                                    n_local=args.n_local, batch=B, heads=H, device=device)
+        moved = traffic(layout, mode, weighting, row_bytes, B * H)
+        times, fns = {}, {}
+        for backend in backends:
+            if mode == "select":
+                def fn(backend=backend):
+                    return kernels.select_windows(keys, values, scores, layout, backend=backend)
+            else:
+                def fn(backend=backend, weighting=weighting, rope=rope):
+                    return kernels.pool_windows(keys, values, layout, scores=scores, weighting=weighting,
+                                                rope=rope, inv_freq=inv_freq, backend=backend)
+            fns[backend] = fn
+            times[backend] = timer(fn, device, args.warmup, args.repeats)
+        diff = ""
+        if "triton" in backends:  # agreement of the two paths on this input (max |difference| of keys, values)
+            got, ref = fns["triton"](), fns["torch"]()
+            d = max((a.float() - b.float()).abs().max().item() for a, b in zip(got[:2], ref[:2]))
+            diff = f"{d:.1e}" + ("" if torch.equal(got.positions, ref.positions) else " (positions differ!)")
+            del got, ref
+        for backend in backends:
+            t = times[backend]
+            speedup = times["torch"] / t if backend == "triton" else None
+            rows.append((n, name, backend, t, moved / t, speedup, (moved / t) / copy_bw,
+                         diff if backend == "triton" else ""))
+    return rows
+
+
 def main(argv=None) -> str:
     args = parse_args(argv)
     device = args.device
@@ -124,52 +172,11 @@ def main(argv=None) -> str:
     B, H, D = args.batch, args.heads, args.head_dim
     elt = torch.empty((), dtype=args.dtype).element_size()
     row_bytes = 2 * D * elt  # one key and one value
-    specs = op_specs(args)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D)
 
     rows = []
     for n in args.sizes:
-        g = torch.Generator(device=device).manual_seed(n)
-        keys = torch.randn(B, H, n, D, generator=g, device=device).to(args.dtype)
-        values = torch.randn(B, H, n, D, generator=g, device=device).to(args.dtype)
-        scores = torch.randn(B, H, n, generator=g, device=device)
-
-        def copy():
-            torch.empty_like(keys).copy_(keys)
-            torch.empty_like(values).copy_(values)
-
-        t_copy = timer(copy, device, args.warmup, args.repeats)
-        copy_bytes = 2 * 2 * keys.numel() * elt
-        copy_bw = copy_bytes / t_copy
-        rows.append((n, "copy k+v", "torch", t_copy, copy_bw, None, 1.0, ""))
-        for name in args.ops:
-            window, weighting, rope, mode = specs[name]
-            layout = WindowLayout.build(n, window=window, stride=args.stride, k=k, offsets=0, n_sink=args.n_sink,
-                                        n_local=args.n_local, batch=B, heads=H, device=device)
-            moved = traffic(layout, mode, weighting, row_bytes, B * H)
-            times, fns = {}, {}
-            for backend in backends:
-                if mode == "select":
-                    def fn(backend=backend):
-                        return kernels.select_windows(keys, values, scores, layout, backend=backend)
-                else:
-                    def fn(backend=backend, weighting=weighting, rope=rope):
-                        return kernels.pool_windows(keys, values, layout, scores=scores, weighting=weighting,
-                                                    rope=rope, inv_freq=inv_freq, backend=backend)
-                fns[backend] = fn
-                times[backend] = timer(fn, device, args.warmup, args.repeats)
-            diff = ""
-            if "triton" in backends:  # agreement of the two paths on this input (max |difference| of keys, values)
-                got, ref = fns["triton"](), fns["torch"]()
-                d = max((a.float() - b.float()).abs().max().item() for a, b in zip(got[:2], ref[:2]))
-                diff = f"{d:.1e}" + ("" if torch.equal(got.positions, ref.positions) else " (positions differ!)")
-                del got, ref
-            for backend in backends:
-                t = times[backend]
-                speedup = times["torch"] / t if backend == "triton" else None
-                rows.append((n, name, backend, t, moved / t, speedup, (moved / t) / copy_bw,
-                             diff if backend == "triton" else ""))
-        del keys, values, scores
+        rows += bench_size(n, args, k, row_bytes, elt, inv_freq)  # its tensors are freed when it returns
         if gpu:
             torch.cuda.empty_cache()
 

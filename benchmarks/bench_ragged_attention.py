@@ -274,9 +274,6 @@ def measure(n: int, args) -> dict:
         row["target"] = ("met" if v["fraction_of_copy"] >= TARGET else "missed") if gpu else "not measured (CPU)"
     else:
         row["target"] = "not measured (no Triton backend)"
-    del query, keys, values, pad_k, pad_v, rep_k, rep_v, rep_mask, src_k, src_v
-    if gpu:
-        torch.cuda.empty_cache()
     return row
 
 
@@ -340,7 +337,11 @@ def main(argv=None) -> str:
     args = parse_args(argv)
     if "triton" in args.backends and not kernels.triton_available():
         raise ValueError("--backends triton: Triton (or the package's kernels) cannot be imported here")
-    rows = [measure(n, args) for n in args.sizes]
+    rows = []
+    for n in args.sizes:
+        rows.append(measure(n, args))  # its tensors are freed when it returns
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/bench_ragged_attention.py"]
                        + (list(argv) if argv is not None else sys.argv[1:]))
     text = report(rows, args, command)
