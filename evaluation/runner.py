@@ -54,14 +54,17 @@ from typing import Optional
 import pandas as pd
 import torch
 
-from .config import SETTINGS, EvalConfig, check_model, config_differences, plan_units, variants
+from .config import SETTINGS, EvalConfig, WorkUnit, check_model, config_differences, plan_units, variants
 from .presses import build_press, prefill_reads, shares_scores
 from .prompting import check_tokenizer
-from .replay import ReplayEngine
-from .store import PACKED, RESULTS_DIR, output_lock, packed_path, read_results, read_shard, record_key, today_key
+from .replay import Prefill, ReplayEngine, cache_fingerprint
+from .store import (PACKED, RESULTS_DIR, OutputDirInUse, output_lock, packed_path, read_results, read_shard, record_key,
+                    removed_if_failed_empty, today_key)
 from .tasks import score
 
-__all__ = ["run_evaluation", "prefill_prompt", "distributed_state"]
+__all__ = ["run_evaluation", "prefill_prompt", "distributed_state",
+           # re-exported, as the docstring says: imports of these from the runner keep working
+           "WorkUnit", "Prefill", "cache_fingerprint", "OutputDirInUse", "removed_if_failed_empty"]
 
 
 # ------------------------------------------------------------------------------------------------ the run
