@@ -145,6 +145,10 @@ def add_commands(sub) -> None:
                     help="cpu: keep each context's recorded prefill in CPU memory instead of on the model's device, "
                          "for large models at long context; same results (default: none)")
     ev.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    ev.add_argument("--dry-run", action="store_true",
+                    help="print what the run would do (prompts to prefill, answers planned and already in "
+                         "--output-dir, the most caches left to decode) and exit, loading only the tokenizer and "
+                         "writing nothing")
 
     rp = sub.add_parser("report", help="summarise finished runs again (merged, with today's statistics)",
                         description="Read the per-example results of one or more `kvpress-phase eval` output "

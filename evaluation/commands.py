@@ -74,6 +74,25 @@ def resolve_model_path(model: Optional[str], wheel: Optional[str] = None, progre
         raise UsageError(first_line(exc)) from None
 
 
+def load_tokenizer(model: Optional[str], wheel: Optional[str] = None):
+    """``(path, tokenizer)`` of ``model`` (see :func:`resolve_model_path`), the tokenizer checked
+    (:func:`~.prompting.check_tokenizer`); :class:`UsageError` naming the model when it cannot be loaded or used."""
+    from transformers import AutoTokenizer
+
+    from .prompting import check_tokenizer
+
+    path = resolve_model_path(model, wheel)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--model {model or path!r} cannot be loaded: {first_line(exc)}") from None
+    try:
+        check_tokenizer(tokenizer)
+    except ValueError as exc:
+        raise UsageError(f"--model {model or path!r} has an unusable tokenizer: {first_line(exc)}") from None
+    return path, tokenizer
+
+
 def load_model(model: Optional[str], device: str, dtype: str, wheel: Optional[str] = None):
     """Model and tokenizer from a registered model name (None: the default one), a ``.gguf`` file, a path or a
     hub id (see :func:`resolve_model_path`), loaded without transformers' per-tensor progress bar.
@@ -82,30 +101,16 @@ def load_model(model: Optional[str], device: str, dtype: str, wheel: Optional[st
     reported before the model's weights are read.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from kvpress_phase.builtin import quiet_loading
 
-    from .prompting import check_tokenizer
-
-    path = resolve_model_path(model, wheel)
-
-    def fail(exc: Exception, what: str) -> UsageError:
-        return UsageError(f"--model {model or path!r} {what}: {first_line(exc)}")
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise fail(exc, "cannot be loaded") from None
-    try:
-        check_tokenizer(tokenizer)
-    except ValueError as exc:
-        raise fail(exc, "has an unusable tokenizer") from None
+    path, tokenizer = load_tokenizer(model, wheel)
     try:
         with quiet_loading():
             lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as exc:
-        raise fail(exc, "cannot be loaded") from None
+        raise UsageError(f"--model {model or path!r} cannot be loaded: {first_line(exc)}") from None
     return lm.to(device).eval(), tokenizer
 
 
@@ -140,6 +145,8 @@ def cmd_eval(args) -> int:
         config.validate()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.dry_run:
+        return _dry_run(config, args)
     from .report import console_table, write_reports
     from .runner import run_evaluation
     from .spellings import former_spelling_note
@@ -190,6 +197,26 @@ def cmd_eval(args) -> int:
                                 n_resamples=args.bootstrap, seed=args.seed)
     print(console_table(records))
     print(f"\nreport: {os.path.join(args.output_dir, 'report.md')}")
+    return 0
+
+
+def _dry_run(config, args) -> int:
+    """``eval --dry-run``: the run's plan (:func:`.runner.plan_table`) with the answers --output-dir holds."""
+    from .runner import plan_table
+
+    _, tokenizer = load_tokenizer(args.model, args.model_wheel)
+    try:
+        table = plan_table(config, tokenizer, args.output_dir)
+    except ValueError as exc:  # an output directory holding another configuration's run
+        raise UsageError(str(exc)) from None
+    total = table.drop(columns=["task", "context_length", "stride"]).sum()
+    print(table.to_string(index=False))
+    print(f"\n{total['answers']:,} answers planned in {len(table)} (task, context length, stride) groups; "
+          f"{total['held']:,} held in {args.output_dir!r}, {total['left']:,} left: {total['prompts_left']:,} of "
+          f"{total['prompts']:,} prompts to prefill"
+          + (" (with the offset protocol a sample's strides share one prefill)" if len(config.strides) > 1
+             and config.protocol == "offset" else "")
+          + f", at most {total['decodes_left']:,} caches to decode")
     return 0
 
 

@@ -62,7 +62,7 @@ from .store import (PACKED, RESULTS_DIR, OutputDirInUse, output_lock, packed_pat
                     removed_if_failed_empty, today_key)
 from .tasks import score
 
-__all__ = ["run_evaluation", "prefill_prompt", "distributed_state",
+__all__ = ["run_evaluation", "plan_table", "prefill_prompt", "distributed_state",
            # re-exported, as the docstring says: imports of these from the runner keep working
            "WorkUnit", "Prefill", "cache_fingerprint", "OutputDirInUse", "removed_if_failed_empty"]
 
@@ -98,6 +98,45 @@ def run_evaluation(config: EvalConfig, model, tokenizer, output_dir: str, *, pro
         return _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, progress, max_units, offload)
 
 
+def plan_table(config: EvalConfig, tokenizer, output_dir: Optional[str] = None) -> pd.DataFrame:
+    """What running ``config`` into ``output_dir`` would do, without a model (``kvpress-phase eval --dry-run``).
+
+    One row per task, context length and stride: ``prompts`` (distinct prompts, one prefill each; with the offset
+    protocol a sample's strides share their text, so a context is prefilled once for all of them), ``answers``
+    planned, ``held`` (the answers ``output_dir`` already holds of this configuration, packed or not), ``left``,
+    ``prompts_left`` (prompts with an answer left) and ``decodes_left``: the most caches the answers left decode,
+    one per distinct compression of a prompt (:func:`_job`; a press without a grid offset compresses a prompt once
+    for all its phases). Equal caches are known only once compressed and are decoded once, so a run can decode
+    fewer. ValueError when ``output_dir`` holds a run of another configuration. Reads nothing but the tokenizer and
+    ``output_dir``, and writes nothing.
+    """
+    config.validate()
+    check_tokenizer(tokenizer)
+    done: set = set()
+    if output_dir is not None and os.path.exists(os.path.join(output_dir, "config.json")):
+        _check_resumes(config, output_dir)
+        held = read_results(output_dir)
+        done = set(held["key"]) if "key" in held else set()
+    rows = []
+    for unit in plan_units(config, tokenizer):
+        unit_variants = variants(config, unit.stride)
+        counts = {"prompts": 0, "answers": 0, "held": 0, "prompts_left": 0, "decodes_left": 0}
+        for rows_of_prompt in _prompts(unit, config.compress_question).values():
+            items = [item for row in rows_of_prompt for item in _records(config, unit, row, unit_variants)]
+            pending = [(row, spec, ratio, window) for row, spec, ratio, window, record in items
+                       if record["key"] not in done]
+            counts["prompts"] += 1
+            counts["answers"] += len(items)
+            counts["held"] += len(items) - len(pending)
+            counts["prompts_left"] += bool(pending)
+            counts["decodes_left"] += len({_job(*item)[1] for item in pending})
+        rows.append({"task": unit.task, "context_length": unit.context_length, "stride": unit.stride, **counts})
+    keys = ["task", "context_length", "stride"]
+    table = pd.DataFrame(rows).groupby(keys, sort=False, as_index=False).sum()
+    table.insert(table.columns.get_loc("held") + 1, "left", table["answers"] - table["held"])
+    return table
+
+
 def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, progress, max_units, offload):
     from tqdm.auto import tqdm
 
@@ -108,17 +147,7 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
     config_path = os.path.join(output_dir, "config.json")
     saved = {"config": dataclasses.asdict(config), "fingerprint": config.fingerprint()}
     if os.path.exists(config_path):
-        with open(config_path) as fh:
-            previous = json.load(fh)
-        if not config.resumes(previous.get("fingerprint")):
-            differences = config_differences(previous.get("config") or {}, config)
-            if differences:
-                held = (f"a run with {', '.join(old for _, old, _ in differences)}; this command has "
-                        f"{', '.join(new for _, _, new in differences)}")
-            else:  # e.g. a run saved with a field that no longer exists
-                held = "a run of another configuration (its config.json)"
-            raise ValueError(f"--output-dir {output_dir!r} holds {held} (use another --output-dir, or the same "
-                             "arguments to resume)")
+        _check_resumes(config, output_dir)
     elif rank == 0:  # written whole or not at all: another rank may read it the moment it exists
         tmp = f"{config_path}.tmp"
         with open(tmp, "w") as fh:
@@ -151,6 +180,25 @@ def _run_locked(config, model, tokenizer, output_dir, rank, world, barrier, prog
     return results
 
 
+def _check_resumes(config: EvalConfig, output_dir: str) -> None:
+    """ValueError naming the differences when ``output_dir`` holds a run of another configuration than ``config``
+    (its ``config.json``); nothing when it holds none or this one's."""
+    config_path = os.path.join(output_dir, "config.json")
+    if not os.path.exists(config_path):
+        return
+    with open(config_path) as fh:
+        previous = json.load(fh)
+    if not config.resumes(previous.get("fingerprint")):
+        differences = config_differences(previous.get("config") or {}, config)
+        if differences:
+            held = (f"a run with {', '.join(old for _, old, _ in differences)}; this command has "
+                    f"{', '.join(new for _, _, new in differences)}")
+        else:  # e.g. a run saved with a field that no longer exists
+            held = "a run of another configuration (its config.json)"
+        raise ValueError(f"--output-dir {output_dir!r} holds {held} (use another --output-dir, or the same "
+                         "arguments to resume)")
+
+
 def prefill_prompt(row: dict, compress_question: bool) -> tuple[str, str]:
     """``(context, question)`` as handed to the pipeline: with ``compress_question`` the question is appended to the
     context (compressed with it) and the question left empty, as kvpress's evaluation does (``compress_questions``);
@@ -174,6 +222,24 @@ def _records(config, unit, row, unit_variants):
         yield row, spec, ratio, window, record
 
 
+def _prompts(unit, compress_question: bool) -> dict[tuple, list]:
+    """The rows of ``unit`` by the prompt they are asked with, ``(context, question, answer_prefix,
+    max_new_tokens)``: the rows of one prompt share its prefill."""
+    prompts: dict[tuple, list] = {}
+    for row in unit.rows:
+        context, question = prefill_prompt(row, compress_question)
+        prompts.setdefault((context, question, row["answer_prefix"], row["max_new_tokens"]), []).append(row)
+    return prompts
+
+
+def _job(row: dict, spec, ratio: float, window) -> tuple[int, tuple]:
+    """``(offset, job)``: the grid offset a variant compresses ``row``'s prompt at (0 for a press without one, which
+    compresses a prompt the same way at every phase) and the job that answers it, one per distinct compression of
+    the prompt."""
+    offset = row["offset"] if spec.entry.grid_offset else 0
+    return offset, (spec.label, ratio, window, offset)
+
+
 def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
     """Answer every (row, variant) of ``unit`` not yet in ``done``, appending one record per answer to ``shard``.
 
@@ -187,11 +253,7 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
 
     # what the unit's presses read decides what the prefill records (offsets do not change it)
     reads = frozenset().union(*[prefill_reads(spec) for spec, _, _ in unit_variants])
-    prompts: dict[tuple, list] = {}
-    for row in unit.rows:
-        context, question = prefill_prompt(row, config.compress_question)
-        prompts.setdefault((context, question, row["answer_prefix"], row["max_new_tokens"]), []).append(row)
-    for prompt, rows in prompts.items():
+    for prompt, rows in _prompts(unit, config.compress_question).items():
         pending = [item for row in rows for item in _records(config, unit, row, unit_variants)
                    if item[-1]["key"] not in done]
         if not pending:
@@ -206,8 +268,7 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
         jobs: dict[tuple, int] = {}
         presses, shared, answered = [], [], []  # answered: per press, how many of the pending answers it gives
         for row, spec, ratio, window, record in pending:
-            offset = row["offset"] if spec.entry.grid_offset else 0
-            job = (spec.label, ratio, window, offset)
+            offset, job = _job(row, spec, ratio, window)
             if job in jobs:
                 answered[jobs[job]] += 1
             else:
@@ -229,8 +290,7 @@ def _run_unit(engine, config, unit, unit_variants, done, shard, bar):
                 att, cache = engine.attention_rows(state, None, question_ids)
                 full_masses = {n: needle_mass(att, state, None, cache, n, question_ids.shape[1]) for n in needles}
         for row, spec, ratio, window, record in pending:
-            offset = row["offset"] if spec.entry.grid_offset else 0
-            i = jobs[(spec.label, ratio, window, offset)]
+            i = jobs[_job(row, spec, ratio, window)[1]]
             press, result = presses[i], answers[i]
             needle = (row["needle_token_start"], row["needle_token_end"])
             mass = result["masses"][needles.index(needle)] if result["masses"] is not None else None
