@@ -213,10 +213,8 @@ def _dry_run(config, args) -> int:
     print(table.to_string(index=False))
     print(f"\n{total['answers']:,} answers planned in {len(table)} (task, context length, stride) groups; "
           f"{total['held']:,} held in {args.output_dir!r}, {total['left']:,} left: {total['prompts_left']:,} of "
-          f"{total['prompts']:,} prompts to prefill"
-          + (" (with the offset protocol a sample's strides share one prefill)" if len(config.strides) > 1
-             and config.protocol == "offset" else "")
-          + f", at most {total['decodes_left']:,} caches to decode")
+          f"{total['prompts']:,} prompts, {table.attrs['prefills_left']:,} prefills (a context is prefilled once for "
+          f"all its strides), at most {total['decodes_left']:,} caches to decode")
     return 0
 
 

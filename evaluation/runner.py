@@ -107,8 +107,9 @@ def plan_table(config: EvalConfig, tokenizer, output_dir: Optional[str] = None) 
     ``prompts_left`` (prompts with an answer left) and ``decodes_left``: the most caches the answers left decode,
     one per distinct compression of a prompt (:func:`_job`; a press without a grid offset compresses a prompt once
     for all its phases). Equal caches are known only once compressed and are decoded once, so a run can decode
-    fewer. ValueError when ``output_dir`` holds a run of another configuration. Reads nothing but the tokenizer and
-    ``output_dir``, and writes nothing.
+    fewer. ``table.attrs["prefills_left"]``: the distinct contexts left to prefill (the run keeps its last prefill, so
+    a context whose strides follow one another is prefilled once). ValueError when ``output_dir`` holds a run of
+    another configuration. Reads nothing but the tokenizer and ``output_dir``, and writes nothing.
     """
     config.validate()
     check_tokenizer(tokenizer)
@@ -117,11 +118,11 @@ def plan_table(config: EvalConfig, tokenizer, output_dir: Optional[str] = None) 
         _check_resumes(config, output_dir)
         held = read_results(output_dir)
         done = set(held["key"]) if "key" in held else set()
-    rows = []
+    rows, contexts_left = [], set()
     for unit in plan_units(config, tokenizer):
         unit_variants = variants(config, unit.stride)
         counts = {"prompts": 0, "answers": 0, "held": 0, "prompts_left": 0, "decodes_left": 0}
-        for rows_of_prompt in _prompts(unit, config.compress_question).values():
+        for prompt, rows_of_prompt in _prompts(unit, config.compress_question).items():
             items = [item for row in rows_of_prompt for item in _records(config, unit, row, unit_variants)]
             pending = [(row, spec, ratio, window) for row, spec, ratio, window, record in items
                        if record["key"] not in done]
@@ -129,11 +130,14 @@ def plan_table(config: EvalConfig, tokenizer, output_dir: Optional[str] = None) 
             counts["answers"] += len(items)
             counts["held"] += len(items) - len(pending)
             counts["prompts_left"] += bool(pending)
+            if pending:
+                contexts_left.add(prompt[0])
             counts["decodes_left"] += len({_job(*item)[1] for item in pending})
         rows.append({"task": unit.task, "context_length": unit.context_length, "stride": unit.stride, **counts})
     keys = ["task", "context_length", "stride"]
     table = pd.DataFrame(rows).groupby(keys, sort=False, as_index=False).sum()
     table.insert(table.columns.get_loc("held") + 1, "left", table["answers"] - table["held"])
+    table.attrs["prefills_left"] = len(contexts_left)
     return table
 
 

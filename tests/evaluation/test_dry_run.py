@@ -37,6 +37,10 @@ def test_a_fresh_plan_counts_prompts_answers_and_distinct_compressions(word_toke
     # compresses it once per phase, knorm and the uncompressed control once for all phases
     assert list(table.prompts) == list(table.prompts_left) == [3, 3]
     assert list(table.decodes_left) == [3 * (4 + 1 + 1)] * 2
+    assert table.attrs["prefills_left"] == 2 * 3
+    # a sample's strides share its text under the offset protocol: prefilled once for both
+    two = plan_table(_config(strides=[4, 8]), word_tokenizer)
+    assert two.prompts.sum() == 2 * 2 * 3 and two.attrs["prefills_left"] == 2 * 3
     # the prefix protocol moves the needle instead: a prompt per phase, every answer its own compression
     prefix = plan_table(_config(protocol="prefix"), word_tokenizer)
     assert list(prefix.prompts) == [12, 12] and list(prefix.decodes_left) == list(prefix.answers) == [36, 36]
@@ -50,6 +54,7 @@ def test_the_plan_follows_a_run_and_bounds_its_decodes(model, word_tokenizer, tm
     held = len(read_results(out))
     assert partial.held.sum() == held > 0 and partial.left.sum() == partial.answers.sum() - held > 0
     assert partial.prompts_left.sum() == partial.prompts.sum() - 1  # the one unit run was one prompt
+    assert partial.attrs["prefills_left"] == partial.prompts_left.sum()
 
     decoded = []
     real = decoding.decode_tokens
@@ -80,6 +85,7 @@ def test_the_command_prints_the_plan_and_writes_nothing(model_dir, tmp_path, cap
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "decodes_left" in printed and "16 answers planned" in printed and "0 held" in printed
+    assert "2 prefills" in printed
     assert not out.exists()
     os.makedirs(out)
     with open(out / "config.json", "w") as fh:
