@@ -3,26 +3,16 @@ follow from its layout."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _module():
-    path = os.path.join(ROOT, "benchmarks", "bench_kernels.py")
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import load_benchmark
 
 
 def test_every_size_gets_a_copy_row_and_one_row_per_op(tmp_path):
     out = tmp_path / "rows.json"
-    report = _module().main(["--device", "cpu", "--sizes", "64,128", "--heads", "2", "--head-dim", "8",
-                             "--stride", "8", "--warmup", "0", "--repeats", "1", "--backends", "torch",
-                             "--ops", "select,pool-mean", "--json", str(out)])
+    report = load_benchmark("bench_kernels").main([
+        "--device", "cpu", "--sizes", "64,128", "--heads", "2", "--head-dim", "8", "--stride", "8", "--warmup", "0",
+        "--repeats", "1", "--backends", "torch", "--ops", "select,pool-mean", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["n"], r["op"]) for r in rows] == [(64, "copy k+v"), (64, "select"), (64, "pool-mean"),
                                                  (128, "copy k+v"), (128, "select"), (128, "pool-mean")]
@@ -31,7 +21,7 @@ def test_every_size_gets_a_copy_row_and_one_row_per_op(tmp_path):
 
 
 def test_traffic_counts_what_an_op_reads_and_writes():
-    bench = _module()
+    bench = load_benchmark("bench_kernels")
     from kvpress_phase.core.phase import WindowLayout
 
     layout = WindowLayout.build(64, window=8, stride=8, k=2, offsets=0, n_sink=0, n_local=0, batch=1, heads=1)

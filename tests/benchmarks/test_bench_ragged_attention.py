@@ -2,34 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _module():
-    path = os.path.join(ROOT, "benchmarks", "bench_ragged_attention.py")
-    spec = importlib.util.spec_from_file_location("bench_ragged_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import load_benchmark
 
 
 @pytest.mark.parametrize("n", [256, 32768, 131072])
 def test_head_lengths_keep_the_ratio_on_average_and_are_ragged(n):
-    lengths = _module().head_lengths(n, 8, 0.5, seed=0)
+    head_lengths = load_benchmark("bench_ragged_attention").head_lengths
+    lengths = head_lengths(n, 8, 0.5, seed=0)
     assert len(lengths) == 8 and sum(lengths) == 4 * n and max(lengths) <= n and min(lengths) >= 1
     assert max(lengths) >= 1.5 * n / 2 and min(lengths) <= 0.25 * n / 2  # some heads much longer than others
-    assert lengths == _module().head_lengths(n, 8, 0.5, seed=0)  # deterministic
-    assert lengths != _module().head_lengths(n, 8, 0.5, seed=1)
+    assert lengths == head_lengths(n, 8, 0.5, seed=0)  # deterministic
+    assert lengths != head_lengths(n, 8, 0.5, seed=1)
 
 
 def test_head_lengths_at_the_edges():
-    head_lengths = _module().head_lengths
+    head_lengths = load_benchmark("bench_ragged_attention").head_lengths
     assert head_lengths(10, 8, 0.0) == [10] * 8  # nothing dropped: every head at the cap
     assert head_lengths(10, 8, 0.95) == [1] * 8  # at least one entry per head
     assert head_lengths(10, 4, 0.5, spread=0.0) == [5, 5, 5, 5]  # no spread: equal heads
@@ -41,7 +31,7 @@ def test_head_lengths_at_the_edges():
 
 
 def test_padded_layout_holds_each_heads_rows_and_masks_the_rest():
-    module = _module()
+    module = load_benchmark("bench_ragged_attention")
     lengths = [5, 1, 70]
     query, keys, values, starts, lens = module.build_case(lengths, 6, 16, 3, torch.float32, "cpu", seed=0)
     assert starts.tolist() == [0, 8, 12] and lens.dtype == torch.int32 and keys.shape == (76 + 9, 16)
@@ -53,7 +43,7 @@ def test_padded_layout_holds_each_heads_rows_and_masks_the_rest():
 
 
 def test_bad_arguments_are_refused_naming_them():
-    module = _module()
+    module = load_benchmark("bench_ragged_attention")
     with pytest.raises(ValueError, match="--q-heads"):
         module.parse_args(["--device", "cpu", "--q-heads", "12", "--kv-heads", "8"])
     with pytest.raises(ValueError, match="--sizes"):

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
+from benchmark_scripts import load_benchmark
+
 pytest.importorskip("triton", reason="the check runs the Triton kernels (interpreted on the CPU)")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_small_mode_runs_every_step(tmp_path):
-    gpu_check = _load()
+    gpu_check = load_benchmark("gpu_check")
     assert gpu_check.main(["--small", "--output-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["passed"] and summary["small"]
@@ -59,7 +50,7 @@ def test_small_mode_runs_every_step(tmp_path):
 
 
 def test_a_failing_step_fails_the_check(tmp_path, monkeypatch):
-    gpu_check = _load()
+    gpu_check = load_benchmark("gpu_check")
 
     def broken(ctx):
         raise AssertionError("kernel output differs")
@@ -77,7 +68,7 @@ def test_the_ragged_step_fails_when_the_kernel_is_wrong(tmp_path, monkeypatch):
     untouched, so the masked output still matches."""
     from kvpress_phase import kernels
 
-    gpu_check, inner = _load(), kernels.ragged_attention
+    gpu_check, inner = load_benchmark("gpu_check"), kernels.ragged_attention
 
     def off(*args, backend=None, **kwargs):
         out = inner(*args, backend=backend, **kwargs)
@@ -96,5 +87,5 @@ def test_full_mode_needs_a_gpu(tmp_path, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    assert _load().main(["--output-dir", str(tmp_path)]) == 2
+    assert load_benchmark("gpu_check").main(["--output-dir", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err

@@ -3,27 +3,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
+from benchmark_scripts import load_benchmark
+
 pytest.importorskip("triton", reason="the Triton-backend cases run the kernels (interpreted on the CPU)")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _load():
-    path = os.path.join(ROOT, "benchmarks", "prefill_overhead.py")
-    spec = importlib.util.spec_from_file_location("prefill_overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_small_mode_times_every_press(tmp_path):
-    bench = _load()
+    bench = load_benchmark("prefill_overhead")
     out = tmp_path / "prefill.json"
     assert bench.main(["--small", "--sizes", "256", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
