@@ -215,6 +215,10 @@ def _dry_run(config, args) -> int:
           f"{total['held']:,} held in {args.output_dir!r}, {total['left']:,} left: {total['prompts_left']:,} of "
           f"{total['prompts']:,} prompts, {table.attrs['prefills_left']:,} prefills (a context is prefilled once for "
           f"all its strides), at most {total['decodes_left']:,} caches to decode")
+    from .store import packed_path
+
+    if os.path.exists(packed_path(args.output_dir)):
+        print(f"{args.output_dir!r} is packed (`kvpress-phase pack`): finished, and `eval` does not resume into it")
     return 0
 
 

@@ -11,7 +11,7 @@ from kvpress_phase import cli
 from kvpress_phase.evaluation import decoding
 from kvpress_phase.evaluation.config import EvalConfig, planned_answers
 from kvpress_phase.evaluation.runner import plan_table, run_evaluation
-from kvpress_phase.evaluation.store import read_results
+from kvpress_phase.evaluation.store import pack_run, read_results
 from tiny_models import tiny_model
 
 
@@ -68,6 +68,9 @@ def test_the_plan_follows_a_run_and_bounds_its_decodes(model, word_tokenizer, tm
     assert 0 < sum(decoded) <= partial.decodes_left.sum()
     done = plan_table(config, word_tokenizer, out)
     assert (done.left == 0).all() and (done.decodes_left == 0).all() and (done.held == done.answers).all()
+    pack_run(out)  # a packed run's answers are read from its Parquet file
+    packed = plan_table(config, word_tokenizer, out)
+    assert packed[["answers", "held", "left", "decodes_left"]].equals(done[["answers", "held", "left", "decodes_left"]])
 
 
 def test_a_folder_of_another_configuration_is_named(model, word_tokenizer, tmp_path):
