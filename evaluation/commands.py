@@ -203,6 +203,7 @@ def cmd_eval(args) -> int:
 def _dry_run(config, args) -> int:
     """``eval --dry-run``: the run's plan (:func:`.runner.plan_table`) with the answers --output-dir holds."""
     from .runner import plan_table
+    from .store import packed_path
 
     _, tokenizer = load_tokenizer(args.model, args.model_wheel)
     try:
@@ -215,8 +216,6 @@ def _dry_run(config, args) -> int:
           f"{total['held']:,} held in {args.output_dir!r}, {total['left']:,} left: {total['prompts_left']:,} of "
           f"{total['prompts']:,} prompts, {table.attrs['prefills_left']:,} prefills (a context is prefilled once for "
           f"all its strides), at most {total['decodes_left']:,} caches to decode")
-    from .store import packed_path
-
     if os.path.exists(packed_path(args.output_dir)):
         print(f"{args.output_dir!r} is packed (`kvpress-phase pack`): finished, and `eval` does not resume into it")
     return 0

@@ -114,7 +114,7 @@ def plan_table(config: EvalConfig, tokenizer, output_dir: Optional[str] = None) 
     config.validate()
     check_tokenizer(tokenizer)
     done: set = set()
-    if output_dir is not None and os.path.exists(os.path.join(output_dir, "config.json")):
+    if output_dir is not None:  # nothing there reads as no answers
         _check_resumes(config, output_dir)
         held = read_results(output_dir)
         done = set(held["key"]) if "key" in held else set()
