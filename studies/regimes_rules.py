@@ -322,8 +322,22 @@ def decide(means: pd.DataFrame, tests: pd.DataFrame, pooled: pd.DataFrame, costs
     else:
         lines.append("- G is not recommended at any ratio: rule 5 does not apply.")
 
-    lines += ["", f"**Recommendation: {recommendation_text(sequence, design.ratios)}.**"]
+    lines += ["", f"**Recommendation: {recommendation_text(sequence, design.ratios)}.**", "",
+              split_commands(sequence, design.ratios, design.models)]
     return "\n".join(lines)
+
+
+def split_commands(sequence: list, ratios: tuple, models: tuple) -> str:
+    """What follows the decision: the fresh split's command for the frozen press spec(s) and the reading's
+    ``--recommend`` value (:func:`studies.regimes_split.parse_recommendation`), with the committed cost tables
+    (``docs/results/regimes/cost-MODEL.md``)."""
+    specs = ",".join(dict.fromkeys(sequence))
+    recommend = sequence[0] if len(set(sequence)) == 1 else ",".join(f"{r:g}={p}" for r, p in zip(ratios, sequence))
+    costs = " ".join(f"--cost {m}=docs/results/regimes/cost-{m}.md" for m in models)
+    return ("Next, once a \"Frozen configuration\" naming these specs is committed: the fresh split, "
+            f"`bash studies/run_regimes_split.sh {specs}`, read with `python -m studies.regimes_split "
+            f"outputs/regimes-test/*/* --dev outputs/regimes-dev/*/* --recommend {recommend} {costs} "
+            "--output docs/results/regimes/test-tables.md`.")
 
 
 def mechanisms_markdown(means: pd.DataFrame, design: Design = DEV) -> str:

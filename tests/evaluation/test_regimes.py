@@ -17,7 +17,7 @@ import pytest
 from kvpress_phase.evaluation.config import SETTINGS, EvalConfig
 from kvpress_phase.evaluation.store import record_key
 
-from studies import regimes, regimes_rules, regimes_runs
+from studies import regimes, regimes_rules, regimes_runs, regimes_split
 from studies.regimes_rules import decide
 from studies.regimes_runs import (BASELINES, DEV, G, G_FLOOR, MATCHED, OURS, REFERENCE, SHARE_HEADS, D, Design, T,
                                   read_cost_table)
@@ -93,6 +93,11 @@ def test_a_press_winning_at_low_ratios_and_another_at_high_ratios_switch_once():
     assert "G stays; T costs 4 cells" in out  # rule 5: G's 24 against T's 20 is no tie
     assert (f"**Recommendation: `{REFERENCE}` below ratio 0.75 (ratios 0.25, 0.5), `{G}` from ratio 0.75 "
             "(ratios 0.75).**") in out
+    # what follows: the split for both specs, read with the recommendation per ratio
+    assert f"`bash studies/run_regimes_split.sh {REFERENCE},{G}`" in out
+    assert f"--recommend 0.25={REFERENCE},0.5={REFERENCE},0.75={G} --cost smollm2=" in out
+    assert regimes_split.parse_recommendation(f"0.25={REFERENCE},0.5={REFERENCE},0.75={G}") == {
+        0.25: REFERENCE, 0.5: REFERENCE, 0.75: G}
 
 
 def test_one_press_within_two_cells_at_every_ratio_is_the_recommendation_everywhere():
@@ -101,6 +106,7 @@ def test_one_press_within_two_cells_at_every_ratio_is_the_recommendation_everywh
     assert f"- ratio 0.25: `{G}` (24/24)" in out  # rule 3 alone would switch
     assert f"`{REFERENCE}` is within 2 cells of the best at every ratio" in out
     assert f"**Recommendation: `{REFERENCE}` at every ratio.**" in out
+    assert f"`bash studies/run_regimes_split.sh {REFERENCE}`" in out and f"--recommend {REFERENCE} --cost" in out
     # three cells short at one ratio and it no longer holds: the per-ratio picks stand
     near[REFERENCE][0.25] = 21
     out = decide(_means(near), _tests(), _pooled(), _costs(), _shares())
