@@ -20,7 +20,10 @@ stride, its value its mean over the phases, and a cell's mean is over its texts.
    the best counted as tied);
 3. the ``share_heads`` rule: ``head_budget:floor=1.0`` minus ``phase_aware`` pooled by text
    (:func:`studies.common.paired_pooled`), lower bound above 0, and no phase effect after Holm's correction, on both
-   models.
+   models;
+4. every press of ours the split answered, reported whatever the recommendation (the dev round's rule 6 applied to
+   the split; it decides nothing): per model and ratio, its cells within 0.03 of the best baseline, its mean
+   difference to that baseline over the cells, and its difference to the recommendation pooled by text.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from kvpress_phase.evaluation.presses import parse_press_spec
 
 from studies.common import emit, fmt_p, load, paired_pooled
 from studies.regimes_null import counted_share
-from studies.regimes_runs import (BASELINES, DEV, MATCHED, REFERENCE, SETTING_NAMES, SHARE_HEADS, best_baselines,
-                                  cell_means, read_costs, text_means)
+from studies.regimes_runs import (BASELINES, DEV, MATCHED, OURS, REFERENCE, SETTING_NAMES, SHARE_HEADS,
+                                  best_baselines, cell_means, read_costs, text_means)
 from studies.regimes_rules import ALPHA, BYTES_CAP, COST_CAP, NEAR, TOLERANCE
 
 SPLIT_CELL = ["model", "setting", "task", "context_length", "stride", "compression_ratio"]
@@ -225,6 +228,46 @@ def share_heads_markdown(records: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def ours_table(records: pd.DataFrame, recommend: dict) -> pd.DataFrame:
+    """Section 4: per model, press of ours (and ``chunked_stride``) and ratio, the cells within 0.03 of the best
+    baseline, the mean difference to it over those cells, and the press minus the recommendation pooled by text
+    (:func:`studies.common.paired_pooled` over that ratio's answers)."""
+    means = text_means(records).groupby(level=SPLIT_CELL).mean()
+    base_cols = [b for b in BASELINES if b in means.columns]
+    if not base_cols:
+        return pd.DataFrame()
+    best = means[base_cols].max(axis=1)
+    rows = []
+    for press in [p for p in (MATCHED,) + OURS if p in means.columns]:
+        for (model, ratio), part in means.groupby(level=["model", "compression_ratio"]):
+            cells = part[press].dropna()
+            if cells.empty or best.loc[cells.index].isna().all():
+                continue
+            gap = cells - best.loc[cells.index]
+            row = {"model": model, "press": press, "ratio": ratio, "cells": len(cells),
+                   "near": int((gap >= -NEAR - TOLERANCE).sum()), "gap": gap.mean(), "diff": np.nan,
+                   "low": np.nan, "high": np.nan, "texts": 0}
+            chosen = recommend.get(float(ratio))
+            answers = records[(records.model == model) & (records.compression_ratio == ratio)]
+            if chosen is not None and chosen != press and chosen in set(answers.press):
+                pooled = paired_pooled(answers, press, chosen)
+                row.update(diff=pooled["diff"], low=pooled["low"], high=pooled["high"], texts=pooled["n"])
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def ours_markdown(table: pd.DataFrame) -> str:
+    if table.empty:
+        return "No press of ours answered beside a kvpress baseline."
+    lines = ["| model | press | ratio | within 0.03 of the best baseline | mean - best baseline | "
+             "press - recommendation by text [95% CI] (texts) |", "|---|---|---|---|---|---|"]
+    for r in table.itertuples():
+        paired = "(the recommendation)" if not r.texts else \
+            f"{r.diff:+.3f} [{r.low:+.3f}, {r.high:+.3f}] ({r.texts})"
+        lines.append(f"| {r.model} | `{r.press}` | {r.ratio:g} | {r.near} of {r.cells} | {r.gap:+.3f} | {paired} |")
+    return "\n".join(lines)
+
+
 def report(split: list[str], dev: list[str], recommend: dict, cost_specs: list, cells: int = 2000) -> str:
     records = load(split)
     if not len(records):
@@ -242,7 +285,9 @@ def report(split: list[str], dev: list[str], recommend: dict, cost_specs: list, 
                       "registered kvpress baselines.", "", "## The target, per model", "",
                       target_markdown(table, costs, recommend),
                       "## (b) Paired with the dev-chosen baseline", "",
-                      paired_markdown(paired_dev_best(records, table)), "", "## The share_heads rule", "", share_heads_markdown(records), ""])
+                      paired_markdown(paired_dev_best(records, table)), "", "## The share_heads rule", "",
+                      share_heads_markdown(records), "", "## Every press of ours, reported (decides nothing)", "",
+                      ours_markdown(ours_table(records, recommend)), ""])
 
 
 def main(argv: Optional[list] = None) -> int:

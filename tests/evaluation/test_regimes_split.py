@@ -97,6 +97,23 @@ def test_the_share_heads_rule_needs_both_models():
     assert f"| {MODELS[1]} | not answered |" in out and "does not become" in out
 
 
+def test_every_press_of_ours_is_reported_against_the_best_baseline_and_the_recommendation():
+    """G ties keydiff at 0.25 and trails by 0.5 at 0.75; phase_aware is at 0.5 throughout: its difference to G is
+    about -0.5 at 0.25 and about 0 at 0.75, G's own rows say they are the recommendation."""
+    records = _records({G: {0.25: 1.0, 0.75: 0.5}, REFERENCE: {0.25: 0.5, 0.75: 0.5}, "keydiff": {0.25: 1.0,
+                                                                                                   0.75: 1.0}},
+                       samples=16)
+    table = regimes_split.ours_table(records, {0.25: G, 0.75: G}).set_index(["model", "press", "ratio"])
+    g_low, g_high = table.loc[(MODELS[0], G, 0.25)], table.loc[(MODELS[0], G, 0.75)]
+    assert g_low["near"] == g_low["cells"] == 2 and g_low["texts"] == 0
+    assert g_high["near"] == 0 and g_high["gap"] == pytest.approx(-0.5, abs=0.15)
+    ours_low, ours_high = table.loc[(MODELS[0], REFERENCE, 0.25)], table.loc[(MODELS[0], REFERENCE, 0.75)]
+    assert ours_low["high"] < -0.3 and ours_low["texts"] == 16
+    assert ours_high["low"] < 0 < ours_high["high"]
+    out = regimes_split.ours_markdown(table.reset_index())
+    assert f"| {MODELS[0]} | `{G}` | 0.25 | 2 of 2 | +0.000 | (the recommendation) |" in out
+
+
 def test_the_command_line_refuses_what_it_cannot_read(monkeypatch, capsys):
     records = _records({REFERENCE: {0.25: 1.0, 0.75: 1.0}}, samples=2)
     monkeypatch.setattr(regimes_split, "load", lambda runs: records)
@@ -105,4 +122,5 @@ def test_the_command_line_refuses_what_it_cannot_read(monkeypatch, capsys):
     assert regimes_split.main(["split", "--recommend", "global_budget:scorer=kvzap"]) == 2
     assert "has no answers in the split runs" in capsys.readouterr().err
     assert regimes_split.main(["split", "--recommend", "phase_aware", "--cells", "100"]) == 0
-    assert "## The share_heads rule" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "## The share_heads rule" in out and "## Every press of ours, reported" in out
