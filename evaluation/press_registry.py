@@ -305,6 +305,11 @@ CHUNK_SCORERS = tuple(name for name, entry in REGISTRY.items() if entry.chunk_sc
 TRAINABLE_PRESSES = tuple(name for name, entry in REGISTRY.items() if entry.trainable)
 """Presses a model can be fine-tuned with (the entries marked ``trainable``)."""
 
+RECOMMENDED_WITH_SCORER = "global_budget:scorer=kvzap"
+"""The press the README recommends for a model that ships a KVzap scorer, as a spec: the ratio-regimes round's
+frozen choice (docs/preregistration-ratio-regimes.md), read on its fresh split in docs/results/regimes/. ``eval``
+runs it by default on such a model (:func:`kvpress_phase.evaluation.cli.default_presses`)."""
+
 
 def matched_ratio(context_length: int, stride: int, compression_ratio: float) -> float:
     """The compression ratio at which a kvpress scorer press keeps exactly as many entries as

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .press_registry import (ATTENTIONS, CHUNK_SCORERS, HIDDEN_STATES, QUESTION, REGISTRY, RUN_SETTINGS,  # noqa: F401
-                             TRAINABLE_PRESSES, BuildArgs, PressEntry, build_press, matched_ratio)
+from .press_registry import (ATTENTIONS, CHUNK_SCORERS, HIDDEN_STATES, QUESTION, RECOMMENDED_WITH_SCORER,  # noqa: F401
+                             REGISTRY, RUN_SETTINGS, TRAINABLE_PRESSES, BuildArgs, PressEntry, build_press,
+                             matched_ratio)
 from .spellings import LEGACY_ROW_OPTIONS, canonical_label, current_spelling, respelled  # noqa: F401
 
 

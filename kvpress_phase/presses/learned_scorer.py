@@ -23,6 +23,8 @@ import torch
 from kvpress import DMSPress
 from kvpress.presses.kvzap_press import KVzapModel, KVzapPress
 
+from kvpress_phase.builtin import SCORERS
+
 SOURCE_FIELDS = ("num_hidden_layers", "hidden_size", "num_key_value_heads")
 """The source model's numbers a scorer's config records (as ``source_<field>``) and :func:`check_scorer` compares."""
 
@@ -76,7 +78,7 @@ def load_scorer(path: str, model) -> KVzapModel:
     return scorer.eval()
 
 
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scorers")
+SHIPPED = SCORERS
 """The folder of the scorers shipped in the package, one sub-folder per model (``kvpress_phase/scorers/``)."""
 
 

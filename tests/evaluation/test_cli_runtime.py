@@ -115,9 +115,27 @@ def test_the_quick_sweep_is_one_configuration():
     args = cli.build_parser().parse_args(["eval"])
     quick = evaluation_cli.QUICK
     for name, value in evaluation_cli.QUICK_SETTINGS.items():
-        assert getattr(quick, name) == value == getattr(args, name)
+        given = getattr(args, name)
+        if name == "presses":  # not given: the model decides (default_presses)
+            assert given is None
+            given = evaluation_cli.default_presses("builtin")
+        assert getattr(quick, name) == value == given
     quick.validate()
     assert "staggered_window" not in quick.presses and "chunked_stride:mode=pool" in quick.presses
+
+
+def test_a_model_that_ships_a_scorer_runs_the_recommended_press_by_default():
+    """The README's recommendation joins the default job where its scorer ships, and nowhere else."""
+    from kvpress_phase.builtin import scorer_models
+    from kvpress_phase.evaluation.presses import RECOMMENDED_WITH_SCORER, parse_press_spec
+
+    assert {"smollm2", "qwen2.5-coder-0.5b"} <= set(scorer_models())
+    parse_press_spec(RECOMMENDED_WITH_SCORER)  # a valid spec
+    quick = evaluation_cli.QUICK_SETTINGS["presses"]
+    for model in scorer_models():
+        assert evaluation_cli.default_presses(model) == quick + [RECOMMENDED_WITH_SCORER]
+    for model in ("builtin", "chunked", "./some-folder"):
+        assert evaluation_cli.default_presses(model) == quick
 
 
 # ------------------------------------------------------------------------------------------------ console table
