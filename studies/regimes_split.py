@@ -7,7 +7,8 @@ its yardstick (deviation 3), and the ``share_heads`` rule.
 
 ``--recommend`` is the frozen configuration's press per ratio (one spec for every ratio when it is one press).
 A *cell* of the split is (model, setting, task, context length, stride, ratio); a text is one sample of one
-stride, its value its mean over the phases, and a cell's mean is over its texts. Per model it writes:
+stride, its value its mean over the phases, and a cell's mean is over its texts. It first lists the split's 8
+planned runs (model x setting x length) with the answers each holds, then per model writes:
 
 1. the target, cell by cell: the recommendation's mean, its phase test (the evaluation's permutation test, p >= 0.05
    and after Holm's correction over the model's cells), the best of every registered kvpress baseline in the cell
@@ -36,10 +37,12 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from kvpress_phase.evaluation.config import SETTINGS
+from kvpress_phase.evaluation.merging import read_runs
 from kvpress_phase.evaluation.metrics import complete_rows, holm, permutation_p_value, phase_matrix
 from kvpress_phase.evaluation.presses import parse_press_spec
 
-from studies.common import emit, fmt_p, load, paired_pooled
+from studies.common import emit, fmt_p, paired_pooled
 from studies.regimes_null import counted_share
 from studies.regimes_runs import (BASELINES, DEV, MATCHED, OURS, REFERENCE, SETTING_NAMES, SHARE_HEADS,
                                   best_baselines, cell_means, read_costs, text_means)
@@ -268,21 +271,55 @@ def ours_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def load(runs: list[str]) -> tuple[pd.DataFrame, list]:
+    """The split's answers (merged as ``kvpress-phase report`` merges them) and its runs' :class:`RunInfo`."""
+    records, infos, notes = read_runs(runs)
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
+    return records, infos
+
+
+def runs_markdown(infos: list) -> str:
+    """The split's planned runs (model x setting x length, :data:`studies.regimes_runs.DEV`'s models and lengths),
+    each with the folder read and the answers it holds of those it plans."""
+    by_slot = {}
+    for info in infos:
+        config = info.config or {}
+        lengths = config.get("context_lengths") or [None]
+        by_slot[(info.model, SETTINGS[bool(config.get("compress_question"))], lengths[0])] = info
+    slots = [(m, SETTINGS[q], n) for m in DEV.models for q in (False, True) for n in DEV.lengths]
+    rows, finished = [], 0
+    for slot in slots + [k for k in by_slot if k not in slots]:
+        info = by_slot.get(slot)
+        if info is None:
+            state = "not started"
+        else:
+            done = info.planned is not None and info.answers >= info.planned
+            finished += done
+            state = f"{info.answers:,} / {info.planned:,}" if info.planned else f"{info.answers:,} / ?"
+            state += "" if done else " (running or stopped)"
+        where = "-" if info is None else f"`{info.path}`"
+        rows.append(f"| {slot[0]} | {SETTING_NAMES.get(slot[1], slot[1])} | {slot[2]} | {where} | {state} |")
+    return "\n".join([f"{finished} of {len(slots)} planned runs finished.", "",
+                      "| model | setting | tokens | run | answers / planned |", "|---|---|---|---|---|", *rows])
+
+
 def report(split: list[str], dev: list[str], recommend: dict, cost_specs: list, cells: int = 2000) -> str:
-    records = load(split)
+    records, infos = load(split)
     if not len(records):
         raise ValueError("the split runs hold no answers")
     missing = sorted({p for p in recommend.values()} - set(records.press))
     if missing:
         raise ValueError(f"--recommend {', '.join(missing)} has no answers in the split runs")
-    dev_best = best_baselines(cell_means(load(dev))) if dev else pd.DataFrame(columns=["best", "best_mean"])
+    dev_best = best_baselines(cell_means(load(dev)[0])) if dev else pd.DataFrame(columns=["best", "best_mean"])
     costs = read_costs(cost_specs) if cost_specs else {}
     table = cell_table(records, dev_best, recommend, cells=cells)
     if table.empty:
         raise ValueError("no split cell has answers of the recommendation and a kvpress baseline")
     ratios = ", ".join(f"{r:g}: `{p}`" for r, p in sorted(recommend.items()))
     return "\n".join([f"Recommendation read: {ratios}. Best baseline of a cell: the best of {len(BASELINES)} "
-                      "registered kvpress baselines.", "", "## The target, per model", "",
+                      "registered kvpress baselines.", "", "## The split's runs", "", runs_markdown(infos), "",
+                      "## The target, per model", "",
                       target_markdown(table, costs, recommend),
                       "## (b) Paired with the dev-chosen baseline", "",
                       paired_markdown(paired_dev_best(records, table)), "", "## The share_heads rule", "",

@@ -114,13 +114,26 @@ def test_every_press_of_ours_is_reported_against_the_best_baseline_and_the_recom
     assert f"| {MODELS[0]} | `{G}` | 0.25 | 2 of 2 | +0.000 | (the recommendation) |" in out
 
 
+def test_the_runs_say_which_are_finished():
+    from kvpress_phase.evaluation.merging import RunInfo
+
+    infos = [RunInfo("out/a", MODELS[0], 53, 10, 10, {"context_lengths": [1024], "compress_question": False}),
+             RunInfo("out/b", MODELS[0], 53, 4, 10, {"context_lengths": [2048], "compress_question": True})]
+    out = regimes_split.runs_markdown(infos)
+    assert out.startswith("1 of 8 planned runs finished.")
+    assert f"| {MODELS[0]} | query-agnostic | 1024 | `out/a` | 10 / 10 |" in out
+    assert f"| {MODELS[0]} | query-aware | 2048 | `out/b` | 4 / 10 (running or stopped) |" in out
+    assert out.count("not started") == 6
+
+
 def test_the_command_line_refuses_what_it_cannot_read(monkeypatch, capsys):
     records = _records({REFERENCE: {0.25: 1.0, 0.75: 1.0}}, samples=2)
-    monkeypatch.setattr(regimes_split, "load", lambda runs: records)
+    monkeypatch.setattr(regimes_split, "load", lambda runs: (records, []))
     assert regimes_split.main(["split", "--recommend", "0.25=kvzip,0.5=phase_aware,0.75=phase_aware"]) == 2
     assert "'kvzip' is not a press of ours" in capsys.readouterr().err
     assert regimes_split.main(["split", "--recommend", "global_budget:scorer=kvzap"]) == 2
     assert "has no answers in the split runs" in capsys.readouterr().err
     assert regimes_split.main(["split", "--recommend", "phase_aware", "--cells", "100"]) == 0
     out = capsys.readouterr().out
+    assert "0 of 8 planned runs finished." in out
     assert "## The share_heads rule" in out and "## Every press of ours, reported" in out
