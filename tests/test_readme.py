@@ -125,13 +125,13 @@ def test_the_built_in_model_refuses_kvzap_naming_the_models_the_snippet_names():
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_the_recommended_press_snippet_runs_on_its_model_and_prints_what_it_says():
-    from kvpress_phase import LayerBudgetPress, cache_summary
+    from kvpress_phase import GlobalBudgetPress, cache_summary
 
     snippets = _use_snippets()[:2]
     namespace, printed = _run(snippets)
     assert printed == expected_prints(snippets[0]) + expected_prints(snippets[1])
     press = namespace["press"]
-    assert isinstance(press, LayerBudgetPress)
+    assert isinstance(press, GlobalBudgetPress)
     assert namespace["example"]["answer"][0] in namespace["answer"]
     summary = cache_summary(press)  # one budget over the model: every layer recorded, about half the cache kept
     assert summary.layers == namespace["model"].config.num_hidden_layers and 0.45 < summary.achieved_ratio < 0.5
