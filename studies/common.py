@@ -51,10 +51,15 @@ def baseline_labels(spec: Optional[str] = ALL_BASELINES) -> list[str]:
 def load(runs: list[str]) -> pd.DataFrame:
     """The answers of ``runs`` merged as ``kvpress-phase report`` merges them (:func:`~kvpress_phase.evaluation.store.read_runs`: every answer
     of every model and seed kept, identical copies collapsed with a line on stderr, conflicting copies refused)."""
-    results, _, notes = read_runs(runs)
+    return load_runs(runs)[0]
+
+
+def load_runs(runs: list[str]) -> tuple[pd.DataFrame, list]:
+    """:func:`load`'s answers and each run's ``RunInfo`` (its model, answers held and answers planned)."""
+    results, infos, notes = read_runs(runs)
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
-    return results
+    return results, infos
 
 
 def emit(text: str, output=None) -> None:

@@ -38,11 +38,10 @@ import pandas as pd
 from scipy import stats
 
 from kvpress_phase.evaluation.config import SETTINGS
-from kvpress_phase.evaluation.merging import read_runs
 from kvpress_phase.evaluation.metrics import complete_rows, holm, permutation_p_value, phase_matrix
 from kvpress_phase.evaluation.presses import parse_press_spec
 
-from studies.common import emit, fmt_p, paired_pooled
+from studies.common import emit, fmt_p, load, load_runs, paired_pooled
 from studies.regimes_null import counted_share
 from studies.regimes_runs import (BASELINES, DEV, MATCHED, OURS, REFERENCE, SETTING_NAMES, SHARE_HEADS,
                                   best_baselines, cell_means, read_costs, text_means)
@@ -249,10 +248,10 @@ def ours_table(records: pd.DataFrame, recommend: dict) -> pd.DataFrame:
             gap = cells - best.loc[cells.index]
             row = {"model": model, "press": press, "ratio": ratio, "cells": len(cells),
                    "near": int((gap >= -NEAR - TOLERANCE).sum()), "gap": gap.mean(), "diff": np.nan,
-                   "low": np.nan, "high": np.nan, "texts": 0}
+                   "low": np.nan, "high": np.nan, "texts": 0, "recommended": press == recommend.get(float(ratio))}
             chosen = recommend.get(float(ratio))
             answers = records[(records.model == model) & (records.compression_ratio == ratio)]
-            if chosen is not None and chosen != press and chosen in set(answers.press):
+            if chosen is not None and not row["recommended"] and chosen in set(answers.press):
                 pooled = paired_pooled(answers, press, chosen)
                 row.update(diff=pooled["diff"], low=pooled["low"], high=pooled["high"], texts=pooled["n"])
             rows.append(row)
@@ -265,18 +264,10 @@ def ours_markdown(table: pd.DataFrame) -> str:
     lines = ["| model | press | ratio | within 0.03 of the best baseline | mean - best baseline | "
              "press - recommendation by text [95% CI] (texts) |", "|---|---|---|---|---|---|"]
     for r in table.itertuples():
-        paired = "(the recommendation)" if not r.texts else \
+        paired = "(the recommendation)" if r.recommended else "-" if not r.texts else \
             f"{r.diff:+.3f} [{r.low:+.3f}, {r.high:+.3f}] ({r.texts})"
         lines.append(f"| {r.model} | `{r.press}` | {r.ratio:g} | {r.near} of {r.cells} | {r.gap:+.3f} | {paired} |")
     return "\n".join(lines)
-
-
-def load(runs: list[str]) -> tuple[pd.DataFrame, list]:
-    """The split's answers (merged as ``kvpress-phase report`` merges them) and its runs' :class:`RunInfo`."""
-    records, infos, notes = read_runs(runs)
-    for note in notes:
-        print(f"warning: {note}", file=sys.stderr)
-    return records, infos
 
 
 def runs_markdown(infos: list) -> str:
@@ -305,13 +296,13 @@ def runs_markdown(infos: list) -> str:
 
 
 def report(split: list[str], dev: list[str], recommend: dict, cost_specs: list, cells: int = 2000) -> str:
-    records, infos = load(split)
+    records, infos = load_runs(split)
     if not len(records):
         raise ValueError("the split runs hold no answers")
     missing = sorted({p for p in recommend.values()} - set(records.press))
     if missing:
         raise ValueError(f"--recommend {', '.join(missing)} has no answers in the split runs")
-    dev_best = best_baselines(cell_means(load(dev)[0])) if dev else pd.DataFrame(columns=["best", "best_mean"])
+    dev_best = best_baselines(cell_means(load(dev))) if dev else pd.DataFrame(columns=["best", "best_mean"])
     costs = read_costs(cost_specs) if cost_specs else {}
     table = cell_table(records, dev_best, recommend, cells=cells)
     if table.empty:

@@ -23,7 +23,7 @@ import torch
 from kvpress import DMSPress
 from kvpress.presses.kvzap_press import KVzapModel, KVzapPress
 
-from kvpress_phase.builtin import SCORERS
+from kvpress_phase.builtin import SCORERS, scorer_models
 
 SOURCE_FIELDS = ("num_hidden_layers", "hidden_size", "num_key_value_heads")
 """The source model's numbers a scorer's config records (as ``source_<field>``) and :func:`check_scorer` compares."""
@@ -88,13 +88,10 @@ def shipped_scorers() -> dict:
     from kvpress.presses.kvzap_press import KVzapConfig
 
     found = {}
-    for name in sorted(os.listdir(SHIPPED)) if os.path.isdir(SHIPPED) else []:
-        path = os.path.join(SHIPPED, name)
-        if os.path.isfile(os.path.join(path, "config.json")):
-            config = KVzapConfig.from_pretrained(path)
-            found[name] = (getattr(config, "source_model", None) or name,
-                           {f: int(getattr(config, f"source_{f}")) for f in SOURCE_FIELDS})
-    return found
+    for model, path in scorer_models().items():
+        config = KVzapConfig.from_pretrained(path)
+        found[os.path.basename(path)] = (model, {f: int(getattr(config, f"source_{f}")) for f in SOURCE_FIELDS})
+    return dict(sorted(found.items()))
 
 
 def shipped_scorer_path(model) -> str:

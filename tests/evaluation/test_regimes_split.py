@@ -128,7 +128,7 @@ def test_the_runs_say_which_are_finished():
 
 def test_the_command_line_refuses_what_it_cannot_read(monkeypatch, capsys):
     records = _records({REFERENCE: {0.25: 1.0, 0.75: 1.0}}, samples=2)
-    monkeypatch.setattr(regimes_split, "load", lambda runs: (records, []))
+    monkeypatch.setattr(regimes_split, "load_runs", lambda runs: (records, []))
     assert regimes_split.main(["split", "--recommend", "0.25=kvzip,0.5=phase_aware,0.75=phase_aware"]) == 2
     assert "'kvzip' is not a press of ours" in capsys.readouterr().err
     assert regimes_split.main(["split", "--recommend", "global_budget:scorer=kvzap"]) == 2
