@@ -1,4 +1,4 @@
-"""What the evaluation commands do, once their flags are parsed (:mod:`.cli`): ``eval`` (with the model loading it
+"""What the evaluation commands do, once their flags are parsed (:mod:`.flags`): ``eval`` (with the model loading it
 needs), ``audit`` (the ``eval`` run it stands for), ``report``, ``pack``, ``drop`` and ``list``. Bad input raises
 :class:`~.arguments.UsageError` with one line, which the command line prints and exits 2 for."""
 
@@ -12,6 +12,8 @@ import warnings
 from typing import Optional
 
 from .arguments import UsageError, first_line, resolve_device, torch_threads
+from .flags import AUDIT_REFERENCE, build_parser, default_presses
+
 
 def cmd_list() -> int:
     from .listing import listing
@@ -130,7 +132,6 @@ def _dtype_warning(dtype: str, device: str) -> Optional[str]:
 def cmd_eval(args) -> int:
     from kvpress_phase.builtin import DEFAULT_MODEL
 
-    from .cli import default_presses
     from .config import EvalConfig  # torch-free, as are the first checks of its validate(): task names, numbers
 
     config = EvalConfig(
@@ -225,8 +226,6 @@ def _dry_run(config, args) -> int:
 
 def cmd_audit(args) -> int:
     """The audit as the ``eval`` run it stands for (prefix protocol, matched cache, the reference presses)."""
-    from .cli import AUDIT_REFERENCE, build_parser
-
     presses = ["no_press"] + [p for p in args.presses if p != "no_press"]
     presses += [p for p in AUDIT_REFERENCE if p not in presses]
     argv = ["eval", "--protocol", "prefix", "--matched-cache", "--no-diagnostics",

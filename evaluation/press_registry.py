@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
+from .prefill_inputs import ATTENTIONS, HIDDEN_STATES, QUESTION
 from .spellings import WRAPPED, WRAPPERS
 
 if TYPE_CHECKING:  # presses imports this module
     from .presses import PressSpec
-
-HIDDEN_STATES, ATTENTIONS, QUESTION = "hidden_states", "attentions", "question"
 
 
 @dataclass(frozen=True)
@@ -308,7 +307,7 @@ TRAINABLE_PRESSES = tuple(name for name, entry in REGISTRY.items() if entry.trai
 RECOMMENDED_WITH_SCORER = "global_budget:scorer=kvzap"
 """The press the README recommends for a model that ships a KVzap scorer, as a spec: the ratio-regimes round's
 frozen choice (docs/preregistration-ratio-regimes.md), read on its fresh split in docs/results/regimes/. ``eval``
-runs it by default on such a model (:func:`kvpress_phase.evaluation.cli.default_presses`)."""
+runs it by default on such a model (:func:`kvpress_phase.evaluation.flags.default_presses`)."""
 
 
 def matched_ratio(context_length: int, stride: int, compression_ratio: float) -> float:

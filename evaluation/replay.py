@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from kvpress import BasePress, KVPressTextGenerationPipeline
 
-from .presses import ATTENTIONS, HIDDEN_STATES
+from .prefill_inputs import ATTENTIONS, HIDDEN_STATES
 
 ALL_INPUTS = frozenset({HIDDEN_STATES, ATTENTIONS})
 OFFLOAD_CHOICES = (None, "cpu")

@@ -368,15 +368,3 @@ def removed_if_failed_empty(output_dir: str, rank: int = 0):
                         os.rmdir(path) if os.path.isdir(path) else os.remove(path)
         raise
 
-
-_MERGING = ("read_runs", "RunInfo", "merge_key", "UNKNOWN_MODEL", "ANSWER_FIELDS", "CONSISTENT_FIELDS")
-
-
-def __getattr__(name: str):
-    """:func:`~.merging.read_runs` and its companions, which read several runs through this module, imported from
-    here too (``from kvpress_phase.evaluation.store import read_runs``)."""
-    if name in _MERGING:
-        from . import merging
-
-        return getattr(merging, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ import pandas as pd
 from scipy import stats
 
 from kvpress_phase.evaluation.presses import REGISTRY, parse_press_spec
-from kvpress_phase.evaluation.store import read_runs
+from kvpress_phase.evaluation.merging import read_runs
 
 ALL_BASELINES = "all"
 """``--baselines`` value (the default) that means every registered kvpress baseline."""
@@ -49,8 +49,9 @@ def baseline_labels(spec: Optional[str] = ALL_BASELINES) -> list[str]:
 
 
 def load(runs: list[str]) -> pd.DataFrame:
-    """The answers of ``runs`` merged as ``kvpress-phase report`` merges them (:func:`~kvpress_phase.evaluation.store.read_runs`: every answer
-    of every model and seed kept, identical copies collapsed with a line on stderr, conflicting copies refused)."""
+    """The answers of ``runs`` merged as ``kvpress-phase report`` merges them
+    (:func:`~kvpress_phase.evaluation.merging.read_runs`: every answer of every model and seed kept, identical copies
+    collapsed with a line on stderr, conflicting copies refused)."""
     return load_runs(runs)[0]
 
 
