@@ -1,6 +1,7 @@
 """What the ``eval`` and ``train`` commands share: comma-separated list flags, the device and threads flags, the
-first line of an error for the one-line messages of bad input, and the parser and error handling of the command
-line (:class:`UsageError`, :class:`Parser`, :func:`run_command_line`).
+check of ``--model`` (:func:`check_model_flag`), the first line of an error for the one-line messages of bad input,
+and the parser and error handling of the command line (:class:`UsageError`, :class:`Parser`,
+:func:`run_command_line`).
 
 Nothing here imports torch when the module is imported, so that parsing a command line (and ``--help``) is fast."""
 
@@ -111,6 +112,18 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit code 2, no usage dump
         # "argument --x: --x must be ..." (our flag types name their flag) -> "--x must be ..."
         raise UsageError(re.sub(r"^argument (\S+): \1 ", r"\1 ", message))
+
+
+def check_model_flag(model: Optional[str]) -> None:
+    """:class:`UsageError` with one line when ``--model`` names nothing the commands can load (an unknown name is
+    refused naming the registered models: :func:`kvpress_phase.builtin.check_model_name`), found before anything
+    imports torch, fetches or loads a model."""
+    from kvpress_phase.builtin import check_model_name
+
+    try:
+        check_model_name(model)
+    except ValueError as exc:
+        raise UsageError(first_line(exc)) from None
 
 
 def run_command_line(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],

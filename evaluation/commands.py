@@ -11,7 +11,7 @@ import sys
 import warnings
 from typing import Optional
 
-from .arguments import UsageError, first_line, resolve_device, torch_threads
+from .arguments import UsageError, check_model_flag, first_line, resolve_device, torch_threads
 from .flags import AUDIT_REFERENCE, build_parser, default_presses
 
 
@@ -86,7 +86,8 @@ def load_tokenizer(model: Optional[str], wheel: Optional[str] = None):
     path = resolve_model_path(model, wheel)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001  a malformed folder: transformers raises OSError, ValueError, KeyError
+        # (a tokenizer.json without added_tokens), ImportError (a tokenizer_config.json naming no class), ...
         raise UsageError(f"--model {model or path!r} cannot be loaded: {first_line(exc)}") from None
     try:
         check_tokenizer(tokenizer)
@@ -133,6 +134,8 @@ def cmd_eval(args) -> int:
     from kvpress_phase.builtin import DEFAULT_MODEL
 
     from .config import EvalConfig  # torch-free, as are the first checks of its validate(): task names, numbers
+
+    check_model_flag(args.model)  # first: checking the press specs below imports torch and kvpress
 
     config = EvalConfig(
         model=args.model or DEFAULT_MODEL, tasks=args.tasks,  # the model used, recorded

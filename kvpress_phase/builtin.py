@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from kvpress_phase.model_cache import QWEN25_CODER, SMOLLM2, WheelModel, ensure_wheel_model
+from kvpress_phase.model_cache import QWEN25_CODER, SMOLLM2, ModelUnavailable, WheelModel, ensure_wheel_model
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 SCORERS = os.path.join(_ROOT, "scorers")
@@ -128,19 +128,36 @@ def model_path(model: Optional[str] = None, wheel: Optional[str] = None, progres
     conversion of a ``.gguf`` file, a local model folder (checked: :func:`check_model_folder`), or a hub id that the
     hub (or, offline, its local cache) holds. A registered name wins over a folder of that name.
 
-    ValueError with one line for anything else: an unknown name names the registered models, then what the hub
-    said; the hub is asked once, with a short timeout and no retries, and not at all when ``HF_HUB_OFFLINE`` is set.
-    ``FileNotFoundError`` for a built-in model that is not built.
+    ValueError with one line for anything else (:func:`check_model_name`): an unknown name names the registered
+    models, then what the hub said; the hub is asked once, with a short timeout and no retries, and not at all when
+    ``HF_HUB_OFFLINE`` is set. ``FileNotFoundError`` for a built-in model that is not built.
     """
     from kvpress_phase.model_cache import gguf_model_path
 
     if model is None or model in BUILTIN_MODELS:
         return builtin_model_path(model or DEFAULT_MODEL, wheel=wheel, progress=progress)
+    check_model_name(model)
     if model.endswith(".gguf"):
         return gguf_model_path(model, progress=progress)
+    return model
+
+
+def check_model_name(model: Optional[str]) -> None:
+    """ValueError with one line when :func:`model_path` would refuse ``model``, found at once: without fetching,
+    converting or loading anything and without importing torch, so that the commands refuse a wrong ``--model``
+    before their slow imports. A registered name (or None) passes, its files are fetched or checked when it is
+    loaded; a ``.gguf`` file must exist, a folder must hold a model (:func:`check_model_folder`), a path must not be
+    another kind of file, and anything else must be a hub id the hub (or, offline, its cache) holds: an unknown name
+    is refused naming the registered models, then what the hub said."""
+    if model is None or model in BUILTIN_MODELS:
+        return
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ModelUnavailable(f"the GGUF file {model!r} does not exist")
+        return
     if os.path.isdir(model):
         check_model_folder(model)
-        return model
+        return
     if os.path.exists(model):
         raise ValueError(f"model {model!r} cannot be loaded: it is a file, neither a model folder nor a .gguf file")
     problem = _hub_problem(model)
@@ -148,7 +165,6 @@ def model_path(model: Optional[str] = None, wheel: Optional[str] = None, progres
         names = ", ".join(BUILTIN_MODELS)
         raise ValueError(f"model {model!r} cannot be loaded: it is not a registered model ({names}; see "
                          f"`kvpress-phase list`) nor an existing folder or file; {problem}")
-    return model
 
 
 def check_model_folder(folder: str) -> None:

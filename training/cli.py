@@ -146,11 +146,15 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
 def run_from_args(args: argparse.Namespace, command: Optional[str] = None) -> dict:
     """Run ``kvpress-phase train`` from parsed flags (ValueError for a bad configuration). The checks of
     ``--checkpoint-every`` and ``--max-minutes`` come first, then the configuration's: the torch-free ones of both
-    run before anything imports torch, kvpress or transformers."""
-    from .finetune import finetune
+    run before anything imports torch, kvpress or transformers, and so does the check of ``--model``
+    (:func:`kvpress_phase.builtin.check_model_name`: an unknown name is refused at once, naming the registered ones)."""
+    from kvpress_phase.builtin import check_model_name
 
     check_run_settings(args.checkpoint_every, args.max_minutes)
-    config = config_from_args(args)
+    check_model_name(getattr(args, "model", None))  # a recipe's model is a registered name
+    config = config_from_args(args)  # builds the press: imports torch and kvpress
+    from .finetune import finetune
+
     output_dir = args.output_dir
     try:
         os.makedirs(output_dir, exist_ok=True)

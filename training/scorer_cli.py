@@ -107,8 +107,9 @@ def run_command(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) 
     """Run ``kvpress-phase train-scorer``: 0 when the scorers are written, 3 when ``--max-minutes`` paused it;
     bad input (settings, model, text, a folder of other settings) is a
     :class:`~kvpress_phase.evaluation.arguments.UsageError`."""
-    from kvpress_phase.evaluation.arguments import resolve_device, torch_threads
+    from kvpress_phase.evaluation.arguments import check_model_flag, resolve_device, torch_threads
 
+    check_model_flag(args.model)  # before the imports below (torch, kvpress)
     from .scorer import prepare, train_scorer
 
     command = "kvpress-phase " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -174,7 +175,9 @@ def add_calibrate_command(sub) -> argparse.ArgumentParser:
 
 def run_calibrate(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> int:
     """Run ``kvpress-phase calibrate-scorer``: 0 when the file is written; bad input is a UsageError."""
-    from kvpress_phase.evaluation.arguments import resolve_device, torch_threads
+    from kvpress_phase.evaluation.arguments import check_model_flag, resolve_device, torch_threads
+
+    check_model_flag(args.model)  # before the imports below (torch, kvpress)
     from kvpress_phase.presses.learned_scorer import LocalKVzapPress
 
     from .scorer import load_model

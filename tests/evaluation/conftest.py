@@ -78,3 +78,15 @@ def model_dir(tmp_path_factory):
     tiny_model("llama", vocab_size=len(tok)).save_pretrained(path)
     save_tokenizer(tok, str(path))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def unloadable_model(tmp_path_factory):
+    """A folder that passes the check of ``--model`` (config, tokenizer and weights files are there) and whose
+    tokenizer loads, but whose model does not (its ``config.json`` names no architecture): a command given it is
+    refused at the model's load, after every check of its configuration, and runs nothing."""
+    path = tmp_path_factory.mktemp("unloadable")
+    save_tokenizer(build_tokenizer(), str(path))
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
+    return str(path)

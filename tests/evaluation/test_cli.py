@@ -81,25 +81,25 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
 
 
 def _refused(argv, capsys) -> str:
-    """The one stderr line of a command refused with exit code 2 (an unloadable model: nothing would run)."""
+    """The one stderr line of a command refused with exit code 2 (given ``unloadable_model``: nothing would run)."""
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err and err.startswith("kvpress-phase: error: "), err
     return err
 
 
-def test_eval_refuses_stride_1_with_a_positive_ratio(tmp_path, capsys):
-    err = _refused(["eval", "--model", "/no/such/model", "--strides", "1", "--compression-ratios", "0.25",
+def test_eval_refuses_stride_1_with_a_positive_ratio(unloadable_model, tmp_path, capsys):
+    err = _refused(["eval", "--model", unloadable_model, "--strides", "1", "--compression-ratios", "0.25",
                     "--output-dir", str(tmp_path)], capsys)
     assert "stride 1" in err and "nothing would be compressed" in err and "strides of 2 or more" in err
     EvalConfig(presses=["no_press"], strides=[1], compression_ratios=[0.25]).validate()  # nothing to compress
     EvalConfig(strides=[1], compression_ratios=[0.0]).validate()
 
 
-def test_context_length_minimum_is_one_rule_in_eval_and_the_task_generators(tmp_path, capsys):
+def test_context_length_minimum_is_one_rule_in_eval_and_the_task_generators(unloadable_model, tmp_path, capsys):
     from kvpress_phase.evaluation.tasks import generate
 
-    err = _refused(["eval", "--model", "/no/such/model", "--context-lengths", "40", "--strides", "8",
+    err = _refused(["eval", "--model", unloadable_model, "--context-lengths", "40", "--strides", "8",
                     "--output-dir", str(tmp_path)], capsys)
     with pytest.raises(ValueError) as refused:
         generate("niah_single", build_tokenizer(), n_samples=1, context_length=40, stride=8, phases=[0])
@@ -110,8 +110,8 @@ def test_context_length_minimum_is_one_rule_in_eval_and_the_task_generators(tmp_
         EvalConfig(context_lengths=[64], strides=[8, 32]).validate()
 
 
-def test_bootstrap_minimum_is_the_same_for_eval_and_report(tmp_path, capsys):
-    eval_err = _refused(["eval", "--bootstrap", "0", "--model", "/no/such/model", "--output-dir", str(tmp_path)],
+def test_bootstrap_minimum_is_the_same_for_eval_and_report(unloadable_model, tmp_path, capsys):
+    eval_err = _refused(["eval", "--bootstrap", "0", "--model", unloadable_model, "--output-dir", str(tmp_path)],
                         capsys)
     report_err = _refused(["report", str(tmp_path), "--bootstrap", "0", "--output-dir", str(tmp_path / "r")], capsys)
     assert eval_err == report_err and "--bootstrap must be >= 100, got 0" in eval_err
@@ -121,8 +121,8 @@ def test_bootstrap_minimum_is_the_same_for_eval_and_report(tmp_path, capsys):
 @pytest.mark.parametrize("presses,label", [("no_press,no_press", "no_press"),
                                            ("phase_aware,knorm, phase_aware", "phase_aware"),
                                            ("chunked_stride:mode=pool,chunked_stride:mode=pool", "chunked_stride:mode=pool")])
-def test_eval_refuses_a_press_listed_twice(presses, label, tmp_path, capsys):
-    err = _refused(["eval", "--model", "/no/such/model", "--presses", presses, "--output-dir", str(tmp_path)], capsys)
+def test_eval_refuses_a_press_listed_twice(presses, label, unloadable_model, tmp_path, capsys):
+    err = _refused(["eval", "--model", unloadable_model, "--presses", presses, "--output-dir", str(tmp_path)], capsys)
     assert f"presses lists {label!r} twice" in err
 
 
@@ -366,8 +366,9 @@ def test_a_model_without_rotary_embeddings_is_refused_with_the_presses_message(c
     ("phase_aware:stagger=none", "is a former spelling: write 'phase_aware'"),
     ("phase_aware:budget=row:scorer=snapkv", "is a former spelling: write 'phase_aware:scorer=snapkv'"),
 ])
-def test_an_unknown_press_setting_names_the_press_settings_before_the_model_loads(spec, message, tmp_path, capsys):
-    err = _refused(["eval", "--model", "/no/such/model", "--presses", f"no_press,{spec}",
+def test_an_unknown_press_setting_names_the_press_settings_before_the_model_loads(spec, message, unloadable_model,
+                                                                                  tmp_path, capsys):
+    err = _refused(["eval", "--model", unloadable_model, "--presses", f"no_press,{spec}",
                     "--output-dir", str(tmp_path / "run")], capsys)
     assert message in err and "unexpected keyword" not in err
 
@@ -391,8 +392,9 @@ def test_every_listed_press_setting_is_accepted():
     ("--phases", "1,1", "--phases lists 1 twice: give each phase once"),
     ("--windows", "8,8", "--windows lists 8 twice: give each window once"),
 ])
-def test_a_value_listed_twice_is_refused_like_a_press_listed_twice(flag, values, message, tmp_path, capsys):
-    err = _refused(["eval", "--model", "/no/such/model", flag, values, "--output-dir", str(tmp_path)], capsys)
+def test_a_value_listed_twice_is_refused_like_a_press_listed_twice(flag, values, message, unloadable_model, tmp_path,
+                                                                   capsys):
+    err = _refused(["eval", "--model", unloadable_model, flag, values, "--output-dir", str(tmp_path)], capsys)
     assert err == f"kvpress-phase: error: {message}"
 
 
@@ -402,8 +404,9 @@ def test_a_value_listed_twice_is_refused_like_a_press_listed_twice(flag, values,
     ("no_press,knorm,chunk", "--query-aware: none of the presses reads the question"),
     ("snapkv,chunked_stride:scorer=snapkv,chunk:scorer=tova", None),
 ])
-def test_query_aware_names_the_presses_that_never_read_the_question(presses, warning, tmp_path, capsys):
-    assert cli.main(["eval", "--query-aware", "--presses", presses, "--model", "/no/such/model",
+def test_query_aware_names_the_presses_that_never_read_the_question(presses, warning, unloadable_model, tmp_path,
+                                                                    capsys):
+    assert cli.main(["eval", "--query-aware", "--presses", presses, "--model", unloadable_model,
                      "--output-dir", str(tmp_path / "run")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     warnings = [line for line in lines if line.startswith("kvpress-phase: warning: ")]
@@ -413,7 +416,7 @@ def test_query_aware_names_the_presses_that_never_read_the_question(presses, war
     else:
         assert len(warnings) == 1 and warnings[0].startswith(f"kvpress-phase: warning: {warning} (Q in `kvpress-phase "
                                                              "list`)")
-    assert cli.main(["eval", "--presses", presses, "--model", "/no/such/model",
+    assert cli.main(["eval", "--presses", presses, "--model", unloadable_model,
                      "--output-dir", str(tmp_path / "run")]) == 2  # query-agnostic: nothing to say
     assert "warning" not in capsys.readouterr().err
 

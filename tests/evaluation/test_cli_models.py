@@ -59,6 +59,54 @@ def test_unknown_model_name_with_the_hub_unreachable_fails_fast(tmp_path, capsys
     assert err.index("smollm2") < err.index(endpoint)
 
 
+_REFUSED = """
+import sys
+from kvpress_phase.cli import main
+code = main(sys.argv[1:])
+print(" ".join(m for m in ("torch", "kvpress", "transformers") if m in sys.modules))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("command", [["eval"], ["eval", "--dry-run"], ["audit", "chunkkv"], ["train"],
+                                     ["train-scorer"], ["calibrate-scorer"]])
+def test_an_unknown_model_name_is_refused_first_in_a_fresh_process_naming_the_known_ones(command, tmp_path):
+    """Each command run alone, as a user runs it: an unknown ``--model`` exits 2 with one line naming the registered
+    models, before anything imports torch, kvpress or transformers (which took 5-7 s to be refused)."""
+    import subprocess
+    import sys
+
+    from kvpress_phase.builtin import BUILTIN_MODELS
+
+    args = [*command, "--model", "bogus"]
+    args += ["--output-dir", str(tmp_path / "out")] if command[0] in ("eval", "audit", "train", "train-scorer") else []
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # the hub is not asked: the message says so
+    out = subprocess.run([sys.executable, "-c", _REFUSED, *args], capture_output=True, text=True, cwd=tmp_path,
+                         env=env, timeout=120)
+    err = [line for line in out.stderr.splitlines() if not line.startswith("kvpress-phase eval ")]  # audit's command
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert len(err) == 1 and err[0].startswith("kvpress-phase: error: model 'bogus' cannot be loaded"), out.stderr
+    assert all(name in err[0] for name in BUILTIN_MODELS) and "`kvpress-phase list`" in err[0]
+    assert out.stdout.split() == []  # imported none of torch, kvpress, transformers
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_installed_command_refuses_an_unknown_model_with_exit_code_2(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from kvpress_phase.builtin import BUILTIN_MODELS
+
+    script = shutil.which("kvpress-phase", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    command = [script] if script else [sys.executable, "-m", "kvpress_phase.cli"]
+    out = subprocess.run([*command, "eval", "--model", "bogus"], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("kvpress-phase: error: model 'bogus'") and len(out.stderr.splitlines()) == 1
+    assert f"({', '.join(BUILTIN_MODELS)}; see `kvpress-phase list`)" in out.stderr
+
+
 def test_hub_ids_the_hub_has_still_go_to_transformers(monkeypatch):
     import huggingface_hub
 
@@ -69,6 +117,19 @@ def test_hub_ids_the_hub_has_still_go_to_transformers(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda url, **kw: asked.append(url))
     assert model_path("some-org/some-model") == "some-org/some-model"
     assert len(asked) == 1 and "some-org/some-model" in asked[0] and asked[0].endswith("config.json")
+
+
+@pytest.mark.parametrize("tokenizer_file", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_model_folder_with_a_malformed_tokenizer_is_refused_in_one_line(tokenizer_file, tmp_path, capsys):
+    """transformers raises a KeyError for a tokenizer.json without its fields and an ImportError for a
+    tokenizer_config.json that names no class: both are bad input, exit 2 in one line."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name, text in [("config.json", "{}"), (tokenizer_file, "{}"), ("model.safetensors", "")]:
+        (folder / name).write_text(text)
+    assert cli.main(["eval", "--model", str(folder), "--output-dir", str(tmp_path / "out")]) == 2
+    assert f"--model '{folder}' cannot be loaded: " in _one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("command", ["eval", "train"])
