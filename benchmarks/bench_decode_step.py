@@ -50,11 +50,9 @@ def compressing(press, model, variant: str):
         return contextlib.nullcontext()
     if variant != "masked":
         return press(model)
-    from kvpress import BasePress
+    from kvpress_phase.presses.storage import stored_masked
 
-    from kvpress_phase.presses.base import _compress_after_prefill
-
-    return _compress_after_prefill(press, model) if press.plans_across_layers else BasePress.__call__(press, model)
+    return stored_masked(press, model)
 
 
 def decode_steps(model, ids: torch.Tensor, press, variant: str, steps: int, warmup: int) -> tuple[list, int]:

@@ -14,7 +14,7 @@ grids), exported here and as ``kvpress_phase.StaggeredWindowPress``.
 What they share (parameters, the compress step's frame) is in base.py; token choice by score in choice.py; scorers
 beyond kvpress's in scorers.py; what a press records (``press.stats``, :func:`cache_summary`) in stats.py; the
 attention patch for caches whose layers differ in length in uneven_layers.py; the per-head budgets' layers stored
-ragged (:mod:`kvpress_phase.ragged`) in ragged_store.py.
+ragged (:mod:`kvpress_phase.ragged`) or dense in storage.py.
 """
 
 from kvpress_phase.presses.ablations import StaggeredWindowPress

@@ -104,16 +104,6 @@ class WindowedPress(BasePress):
         """Whether the press un-rotates keys with the model's rotary embedding (pooled entries)."""
         return False
 
-    @property
-    def plans_across_layers(self) -> bool:
-        """Whether every layer's scores are needed before any layer is compressed (:meth:`plan`)."""
-        return False
-
-    def plan(self, layers) -> None:
-        """Called with every layer's compress inputs before the layers are compressed, where
-        :attr:`plans_across_layers`; ``layers`` yields ``(module, hidden_states, keys, values, attentions,
-        kwargs)``."""
-
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid parameter and its allowed range."""
         check_ratio(self.compression_ratio)
@@ -161,7 +151,7 @@ class WindowedPress(BasePress):
         context (``scorer.needs_context``, e.g. :class:`~kvpress_phase.presses.scorers.KVzipScorer`): then the
         prefill runs uncompressed, the scorer scores the finished context, and every layer's cache is compressed
         when the context manager exits, to the same exact length."""
-        if not getattr(self.scorer, "needs_context", False) and not self.plans_across_layers:
+        if not getattr(self.scorer, "needs_context", False):
             with BasePress.__call__(self, model):
                 yield
             return
@@ -332,10 +322,11 @@ def _check_positions(press, hidden_states: Optional[torch.Tensor], seq_len: int)
 
 @contextlib.contextmanager
 def _compress_after_prefill(press, model):
-    """Record each attention layer's prefill inputs and the language model's input ids and cache (forward hooks),
-    let the prefill finish uncompressed, have the press's scorer score the whole context
-    (``scorer.compute(model, context_ids, cache)``, for a scorer that needs it), let the press plan across layers
-    (:meth:`WindowedPress.plan`), then compress every layer's cache."""
+    """Record each attention layer's prefill inputs (its RoPE and positions, not its hidden states) and the language
+    model's input ids and cache (forward hooks), let the prefill finish uncompressed, have the press's scorer score
+    the whole context (``scorer.compute(model, context_ids, cache)``), then compress every layer's cache, in layer
+    order: ``press.compress_cached(module, None, cache, None, kwargs)`` where the press stores its layers itself
+    (the budget wrappers), ``press.compress`` otherwise."""
     from transformers import QuantizedCache
 
     press.post_init_from_model(model)
@@ -346,8 +337,6 @@ def _compress_after_prefill(press, model):
     def record_layer(module, args, kwargs, output):
         if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
             kept = ("position_embeddings", "cache_position", "position_ids")
-            if press.plans_across_layers:  # scorers other than the key-only ones read the layer's input
-                kept += ("hidden_states",)
             records[module.layer_idx] = (module, {k: v for k, v in kwargs.items() if k in kept})
 
     def record_inputs(module, args, kwargs):
@@ -366,18 +355,16 @@ def _compress_after_prefill(press, model):
     cache, ids = seen.get("cache"), seen.get("ids")
     if not records or cache is None:
         return
-    why = type(press.scorer).__name__ if getattr(press.scorer, "needs_context", False) else type(press).__name__
+    why = type(press.scorer).__name__
     if isinstance(cache, QuantizedCache):
         raise ValueError(f"{why} compresses after the prefill, which a QuantizedCache does not support here; use a "
                          "DynamicCache")
     if ids.shape[0] != 1:
         raise ValueError(f"{why} compresses one context at a time (batch 1), got {ids.shape[0]}")
-    if getattr(press.scorer, "needs_context", False):
-        press.scorer.compute(model, ids, cache)
-    layers = sorted(records.items())
-    press.plan((module, kwargs.get("hidden_states"), cache.layers[i].keys, cache.layers[i].values, None, kwargs)
-               for i, (module, kwargs) in layers)
-    for layer_idx, (module, kwargs) in layers:
+    press.scorer.compute(model, ids, cache)
+    for layer_idx, (module, kwargs) in sorted(records.items()):
+        if hasattr(press, "compress_cached"):
+            press.compress_cached(module, None, cache, None, kwargs)
+            continue
         layer = cache.layers[layer_idx]
-        layer.keys, layer.values = press.compress(module, kwargs.get("hidden_states"), layer.keys, layer.values,
-                                                  None, kwargs)
+        layer.keys, layer.values = press.compress(module, None, layer.keys, layer.values, None, kwargs)

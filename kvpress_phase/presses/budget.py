@@ -3,17 +3,18 @@
 ``PhaseAwarePress`` alone keeps the same number of raw tokens in every layer and KV head (``n_windows * k``), the
 KV heads of a layer sharing one choice. A wrapper keeps the same total but spends it by score:
 
-- :class:`HeadBudgetPress`: across the KV heads of each layer (each head its own tokens: the press returns a layer
-  padded to its longest head, and used as a context manager, as kvpress's pipeline uses it, it then stores the layer
-  ragged, each head only its own entries, and decodes with the ragged attention (:mod:`.ragged_store`); called
-  directly (``press.compress``, the replay engine) the padding stays masked, as kvpress's ``AdaKVPress`` masks);
+- :class:`HeadBudgetPress`: across the KV heads of each layer (each head its own tokens: used as a context manager,
+  as kvpress's pipeline uses it, each layer is stored ragged as soon as it is compressed, each head only its own
+  entries, and decoded with the ragged attention (:mod:`.storage`); called directly (``press.compress``, the replay
+  engine) the press returns a layer padded to its longest head, the padding masked, as kvpress's ``AdaKVPress``
+  masks);
 - :class:`LayerBudgetPress`: across the layers (each layer dense at its own length, the heads sharing their
   tokens: the entries saved free memory);
 - :class:`GlobalBudgetPress`: across layers and KV heads together (KVzip's shape; stored ragged like the per-head
   one);
 - :class:`ThresholdBudgetPress`: the same budget over layers and KV heads decided layer by layer, by a score
-  threshold calibrated once per scorer (as kvpress's ``DMSPress`` uses KVzap's scores), so that every layer is
-  compressed during the prefill (stored ragged).
+  threshold calibrated once per scorer (as kvpress's ``DMSPress`` uses KVzap's scores; the number kept follows the
+  text, not the budget).
 
 A wrapper pulls what it needs from the press it wraps, as ``AdaKVPress`` pulls ``press.score``: the scores
 (:meth:`~kvpress_phase.presses.base.WindowedPress.score`) and the layout, from which it decides how many window tokens
@@ -21,14 +22,26 @@ each row keeps raw; it then hands the press the scores and those counts (``press
 counts=...)``), whose choice (:meth:`~kvpress_phase.PhaseAwarePress.compress_windows`) is a function of them alone.
 The press holds no state of the wrapper's and calls nothing back; the scorer runs once per layer and prefill.
 
-A budget across layers needs every layer's scores before any layer is compressed, so such a wrapper compresses when
-the prefill has finished (:attr:`plans_across_layers`), scoring every layer in :meth:`BudgetPress.plan` and keeping
-those scores until the layer is compressed, and it needs scores that compare between layers: KeyDiff's
-cosine similarities are scale-free but rank layers poorly; the learned KVzip+ surrogate (``scorer="kvzap"``,
-:mod:`kvpress_phase.presses.learned_scorer`) predicts one log score on one scale for every layer. Results:
-``docs/results/r7-learned-budgets.md``.
+A budget across layers is spent while the prefill runs, layer by layer, exactly: each layer is scored inside its own
+forward (its attention input and keys are there), and only its scores are kept. The layer's entries that are in the
+running top-``B`` over every layer scored so far (``B`` the model's budget; floors and the protected sink and local
+tokens outside the competition, :class:`~kvpress_phase.presses.choice.RunningTopB`) are stored at once, and entries of
+earlier layers that drop out of it are evicted; a layer is compacted when its evicted rows pass
+:data:`EVICTED_SHARE` of what it stores, and every layer when the last one has been scored. Because the top-``B`` of
+all layers is a subset of every running top-``B``, the final cache is exactly the choice the budget makes over all
+layers at once (:func:`~kvpress_phase.presses.choice.spread_budget`); the prefill never holds a layer's hidden
+states or more than its budget and one layer's keys and values. A scorer that needs the whole context (KVzip's
+reconstruction, ``scorer.needs_context``) cannot score during the prefill: the press then lets the prefill finish
+uncompressed (the whole cache in memory, as kvpress's ``KVzipPress``) and spends the budget layer by layer after it,
+the same way. Scores must compare between layers: KeyDiff's cosine similarities are scale-free but rank layers
+poorly; the learned KVzip+ surrogate (``scorer="kvzap"``, :mod:`kvpress_phase.presses.learned_scorer`) predicts one
+log score on one scale for every layer. Results: ``docs/results/r7-learned-budgets.md``; memory:
+``docs/benchmarks.md``.
 
-    press = LayerBudgetPress(PhaseAwarePress(0.5, scorer="kvzap"))
+How a compressed layer is stored (dense, or ragged when its KV heads keep different numbers of entries) is decided
+in one place, :mod:`kvpress_phase.presses.storage`.
+
+    press = GlobalBudgetPress(PhaseAwarePress(0.5, scorer="kvzap"))
     pipe(context, question=question, press=press)
 """
 
@@ -36,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Union
 
@@ -44,11 +58,20 @@ from kvpress import BasePress
 from torch import nn
 
 from kvpress_phase.core.phase import WindowLayout, check_number
+from kvpress.presses.base_press import is_prefilling
+from transformers import QuantizedCache
+
 from kvpress_phase.presses.base import _check_positions, _compress_after_prefill
-from kvpress_phase.presses.choice import spread_budget
+from kvpress_phase.presses.choice import RunningTopB, floor_keyed, spread_budget
 from kvpress_phase.presses.learned_scorer import LocalKVzapPress, ScoreQuantiles
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
-from kvpress_phase.presses.ragged_store import stored_ragged
+from kvpress_phase.presses.stats import LayerStats
+from kvpress_phase.presses.storage import kept_positions, ragged_storage, store_layer
+from kvpress_phase.ragged import RaggedLayer
+
+EVICTED_SHARE = 0.05
+"""A layer of a budget across layers is compacted during the prefill once the entries evicted from it (dropped out
+of the running top-``B``, still in memory until then) pass this share of what it stores."""
 
 
 @dataclass
@@ -68,6 +91,7 @@ class BudgetPress(BasePress):
     press: PhaseAwarePress = None
     floor: float = 0.0
     _plan: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _stream: object = field(default=None, init=False, repr=False, compare=False)
 
     across_layers: ClassVar[bool] = False
     """Whether the budget is spread across layers (compressing after the prefill)."""
@@ -116,21 +140,126 @@ class BudgetPress(BasePress):
 
     @contextlib.contextmanager
     def __call__(self, model):
-        """kvpress's context manager; a budget across layers compresses when the prefill has finished. A per-head
-        budget then stores the padded layers ragged and switches the model to the ragged attention
-        (:func:`~kvpress_phase.presses.ragged_store.stored_ragged`)."""
-        with stored_ragged(self, model) if self.per_head else contextlib.nullcontext():
-            if not self.plans_across_layers and not getattr(self.press.scorer, "needs_context", False):
+        """kvpress's context manager. Every layer is compressed inside its own forward (:meth:`forward_hook`), a
+        budget across layers by the running top-``B`` (module docstring); with a scorer that needs the whole context
+        every layer is compressed, the same way, when the prefill has finished. The layers are written by
+        :func:`~kvpress_phase.presses.storage.store_layer` (ragged where KV heads keep different numbers of entries),
+        and a prefill that leaves ragged layers has the model decode them with the ragged attention
+        (:func:`~kvpress_phase.presses.storage.ragged_storage`)."""
+        self._stream = None
+        if self.across_layers and self.press.compression_ratio > 0 and self.press.recent > 0:
+            raise ValueError(f"{type(self).__name__} spends its budget while the prefill runs, layer by layer, and "
+                             f"evicts what drops out of it, so it cannot keep a recent block sized by each row's final "
+                             f"count: use PhaseAwarePress(recent=0) (got recent={self.press.recent:g}), or "
+                             "HeadBudgetPress for a budget within each layer")
+        with ragged_storage(self, model) if self.per_head else contextlib.nullcontext():
+            if not getattr(self.press.scorer, "needs_context", False):
                 with BasePress.__call__(self, model):
                     yield
             else:
                 with _compress_after_prefill(self, model):
                     yield
+        self._finish_stream()
+
+    def forward_hook(self, module, input, kwargs, output):
+        """kvpress's hook, after each attention layer's forward: during the prefill, compress the layer's cache
+        (:meth:`compress_cached`)."""
+        if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            self.compress_cached(module, kwargs["hidden_states"], kwargs["past_key_values"], output[1], kwargs)
+        return output
+
+    def compress_cached(self, module, hidden_states, cache, attentions, kwargs) -> None:
+        """Compress layer ``module.layer_idx`` of ``cache`` in place, and store it (module docstring): a budget
+        within the layer (:meth:`compress`), or the layer's share of the running budget across layers."""
+        layer_idx = module.layer_idx
+        if isinstance(cache, QuantizedCache):
+            raise ValueError(f"{type(self).__name__} stores its layers itself (each KV head at its own length), which "
+                             "a QuantizedCache does not support: use a DynamicCache")
+        keys, values = cache.layers[layer_idx].keys, cache.layers[layer_idx].values
+        if self.per_head and keys.shape[0] != 1:
+            raise ValueError(f"{type(self).__name__} stores each KV head at its own length, one context at a time "
+                             f"(batch 1), got batch {keys.shape[0]}")
+        layout = self.press.layout_for(module, keys)
+        if self.across_layers and self.press.compression_ratio > 0 and layout.n_windows > 0:
+            self._stream_layer(module, hidden_states, cache, keys, values, attentions, kwargs, layout)
+            return
+        keys, values = self.compress(module, hidden_states, keys, values, attentions, kwargs)
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is None:
+            store_layer(cache, layer_idx, keys, values)
+            return
+        keep = torch.ones(keys.shape[1], keys.shape[2], dtype=torch.bool, device=keys.device)
+        keep[masked[1], masked[2]] = False
+        module.masked_key_indices = None
+        if store_layer(cache, layer_idx, keys, values, keep, seq_length=keys.shape[2]) and layer_idx in self.stats:
+            self.stats[layer_idx].ragged = True
+
+    # ------------------------------------------------------------------ the running budget across layers
+    def _stream_layer(self, module, hidden_states, cache, keys, values, attentions, kwargs, layout) -> None:
+        press, layer_idx = self.press, module.layer_idx
+        press.validate()
+        _check_positions(press, hidden_states, keys.shape[2])
+        if keys.shape[0] != 1:
+            raise ValueError(f"{type(self).__name__} spends one budget over the layers of one context at a time "
+                             f"(batch 1), got batch {keys.shape[0]}")
+        stream = self._stream
+        if stream is None or layer_idx in stream.layers:  # a new prefill
+            self._finish_stream()
+            n_layers = len(_attention_layers(module, cache))
+            rows = keys.shape[1] if self.per_head else 1
+            stream = self._stream = _Stream(RunningTopB(n_layers * rows * layout.n_windows * layout.k), cache,
+                                            n_layers)
+        scores = press.score(module, hidden_states, keys, values, attentions, kwargs)
+        win_pos = layout.window_positions()[0].flatten(1)  # (heads, window tokens)
+        win = scores.float()[0].gather(1, win_pos)
+        unit = win if self.per_head else win.mean(dim=0, keepdim=True)
+        budget = layout.n_windows * layout.k
+        lost = stream.top.add(layer_idx, floor_keyed(unit, budget, self.floor))
+        stream.layers[layer_idx] = _StreamedLayer(module, layout, win_pos, keys.shape, budget,
+                                                  keys.shape[-1] * keys.element_size()
+                                                  + values.shape[-1] * values.element_size())
+        record = stream.layers[layer_idx]
+        record.keep = record.keep_of(stream.top.alive(layer_idx))
+        store_layer(cache, layer_idx, keys, values, record.keep, seq_length=keys.shape[2])
+        record.stored = record.keep
+        for other in lost:
+            stream.evict(other, compact=False)
+        if len(stream.layers) == stream.n_layers:
+            self._finish_stream()
+
+    def _finish_stream(self) -> None:
+        """Trim to the budget of the layers that came (all of them, normally), compact every layer to exactly its
+        kept entries and record each layer's :class:`LayerStats`."""
+        stream, self._stream = self._stream, None
+        if stream is None or stream.finished:
+            return
+        stream.finished = True
+        total = sum(r.rows(self.per_head) * r.budget for r in stream.layers.values())
+        for other in stream.top.finish(total):
+            stream.layers[other].keep = stream.layers[other].keep_of(stream.top.alive(other))
+        press = self.press
+        for layer_idx, record in sorted(stream.layers.items()):
+            stream.evict(layer_idx, compact=True)
+            positions, masked = kept_positions(record.stored)
+            longest = positions.shape[-1]
+            layer = stream.cache().layers[layer_idx] if stream.cache() is not None else None
+            if layer is not None and hasattr(layer, "base_length"):
+                layer.base_length, layer.appended = longest, 0  # the masked cache's length, as the replay keeps it
+            batch, heads, seq_len, _ = record.shape
+            attended = record.stored.sum().item() / heads
+            press.stats[layer_idx] = LayerStats(
+                seq_len, longest, 1.0 - attended / seq_len, record.layout, positions.to(torch.int32),
+                (positions + 1).to(torch.int32), requested_ratio=press.compression_ratio,
+                window_ratio=press.window_ratio, masked=masked, batch=batch, heads=heads,
+                entry_bytes=record.entry_bytes, ragged=masked is not None,
+            )
 
     # ------------------------------------------------------------------ the budget
     def plan(self, layers) -> None:
         """Score every layer once and decide its raw-token counts from every layer's scores (budgets across layers),
-        before any layer is compressed. ``layers`` yields ``(module, hidden_states, keys, values, attentions,
+        before any layer is compressed: for a caller that holds every layer's prefill inputs and calls
+        :meth:`compress` per layer after it (the evaluation's replay). Through kvpress's pipeline the same choice is
+        made while the prefill runs, without holding them (:meth:`compress_cached`). ``layers`` yields ``(module, hidden_states, keys, values, attentions,
         kwargs)`` per layer, what :meth:`compress` receives.
 
         Each layer's scores (``(1, kv_heads, seq_len)`` float32, small next to the layer's keys and values) are held
@@ -168,8 +297,8 @@ class BudgetPress(BasePress):
         if owner not in self._plan:
             raise ValueError(
                 f"{type(self).__name__} spends its budget across layers, so it needs every layer's scores before "
-                "compressing any: use it on its own (pipeline(..., press=...) compresses when the prefill has "
-                "finished); inside ComposedPress, PerLayerWindowedPress or WindowedDecodingPress it cannot see the "
+                "compressing any: use it on its own (pipeline(..., press=...) spends it while the prefill runs), or "
+                "call press.plan(...) with every layer's inputs first; inside ComposedPress, PerLayerWindowedPress or WindowedDecodingPress it cannot see the "
                 "other layers"
             )
         scores, counts = self._plan.pop(owner)
@@ -278,6 +407,71 @@ class ThresholdBudgetPress(BudgetPress):
         win = scores.float().gather(2, layout.window_positions().flatten(2))  # (batch, heads, window tokens)
         counts = (win > self.layer_threshold(layout)).sum(dim=-1)
         return counts.clamp(min=min(int(self.floor * layout.n_windows * layout.k), win.shape[-1]))
+
+
+class _StreamedLayer:
+    """What the running budget keeps of one layer while the prefill runs: where its window tokens are, and which of
+    its entries are kept (``keep``) and stored (``stored``, kept plus those evicted but not yet compacted), each a
+    ``(heads, seq_len)`` bool."""
+
+    def __init__(self, module, layout, win_pos, shape, budget, entry_bytes):
+        self.module, self.layout, self.win_pos, self.shape = module, layout, win_pos, tuple(shape)
+        self.budget, self.entry_bytes = budget, entry_bytes
+        self.keep = self.stored = None
+
+    def rows(self, per_head: bool) -> int:
+        return self.shape[1] if per_head else 1
+
+    def keep_of(self, alive: torch.Tensor) -> torch.Tensor:
+        """``(heads, seq_len)``: every token outside the windows (protected), and the window tokens ``alive``
+        (``(rows, window tokens)``, one row shared by every head when the heads share their tokens)."""
+        heads, seq_len = self.shape[1], self.shape[2]
+        keep = torch.ones(heads, seq_len, dtype=torch.bool, device=alive.device)
+        return keep.scatter(1, self.win_pos, alive.expand(heads, -1))
+
+
+class _Stream:
+    """One prefill's running budget: the running top-``B`` and every layer scored so far."""
+
+    def __init__(self, top: RunningTopB, cache, n_layers: int):
+        self.top, self.n_layers, self.finished = top, n_layers, False
+        self.cache = weakref.ref(cache)
+        self.layers: dict = {}
+
+    def evict(self, layer_idx: int, *, compact: bool) -> None:
+        """Bring ``layer_idx``'s kept entries up to date; free the evicted ones once they pass
+        :data:`EVICTED_SHARE` of what the layer stores (always with ``compact``)."""
+        record = self.layers[layer_idx]
+        record.keep = record.keep_of(self.top.alive(layer_idx))
+        evicted = int((record.stored & ~record.keep).sum())
+        if evicted == 0 or (not compact and evicted <= EVICTED_SHARE * int(record.stored.sum())):
+            return
+        cache = self.cache()
+        if cache is None:
+            return
+        layer = cache.layers[layer_idx]
+        kept = record.keep[record.stored]  # over the stored entries, head after head, each in position order
+        if isinstance(layer, RaggedLayer):
+            layer.retain(kept)
+        else:  # a dense layer: every head stores the same number
+            heads = record.shape[1]
+            keep_rows = kept.view(heads, -1)
+            counts = keep_rows.sum(dim=-1)
+            if bool((counts == counts[0]).all()):
+                idx = torch.argsort((~keep_rows).to(torch.int8), dim=-1, stable=True)[:, :int(counts[0])]
+                take = idx[None, :, :, None]
+                layer.keys = layer.keys.gather(2, take.expand(-1, -1, -1, layer.keys.shape[-1]))
+                layer.values = layer.values.gather(2, take.expand(-1, -1, -1, layer.values.shape[-1]))
+            else:
+                store_layer(cache, layer_idx, layer.keys, layer.values, keep_rows)
+        record.stored = record.keep
+
+
+def _attention_layers(module, cache) -> list:
+    """The attention layers the prefill runs through (one per cache layer the model has)."""
+    config = getattr(module, "config", None)
+    n = getattr(config, "num_hidden_layers", None)
+    return list(range(n)) if n else list(range(len(cache.layers)))
 
 
 def budget_of(press) -> str:

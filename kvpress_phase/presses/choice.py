@@ -104,15 +104,8 @@ def spread_budget(scores: list[torch.Tensor], budgets: list[int], floor: float) 
     """
     if not 0 <= floor <= 1:
         raise ValueError(f"floor must be in [0, 1], got {floor!r}")
-    keyed, total = [], 0
-    for s, budget in zip(scores, budgets):
-        s = s.float()
-        n_floor = min(int(floor * budget), s.shape[-1])
-        if n_floor:
-            top = s.argsort(dim=-1, descending=True, stable=True)[..., :n_floor]
-            s = s.scatter(-1, top, float("inf"))
-        keyed.append(s)
-        total += s.shape[0] * budget
+    keyed = [floor_keyed(s, budget, floor) for s, budget in zip(scores, budgets)]
+    total = sum(s.shape[0] * budget for s, budget in zip(keyed, budgets))
     flat = torch.cat([s.flatten() for s in keyed])
     chosen = torch.zeros_like(flat, dtype=torch.bool)
     chosen[flat.argsort(descending=True, stable=True)[:total]] = True
@@ -121,3 +114,79 @@ def spread_budget(scores: list[torch.Tensor], budgets: list[int], floor: float) 
         counts.append(chosen[start:start + s.numel()].view(s.shape).sum(dim=-1))
         start += s.numel()
     return counts
+
+
+def floor_keyed(scores: torch.Tensor, budget: int, floor: float) -> torch.Tensor:
+    """``scores`` (``(rows, n)``) in float32 with each row's ``floor * budget`` best (rounded down, ties to the
+    earlier token) raised to ``+inf``: the keys by which :func:`spread_budget` and :class:`RunningTopB` rank."""
+    s = scores.float()
+    n_floor = min(int(floor * budget), s.shape[-1])
+    if n_floor:
+        top = s.argsort(dim=-1, descending=True, stable=True)[..., :n_floor]
+        s = s.scatter(-1, top, float("inf"))
+    return s
+
+
+class RunningTopB:
+    """The ``total`` best entries over units (layers) that arrive one at a time, as :func:`spread_budget` would
+    choose them from all of them at once, without holding what dropped out.
+
+    Each :meth:`add` ranks the new unit's keys (:func:`floor_keyed`) together with the entries of earlier units that
+    are still in the running top-``total`` and keeps the best ``total``; an entry that drops out never comes back.
+    The order is total (higher key first, ties to the earlier unit, then the earlier row and token, as
+    :func:`spread_budget`'s stable sort), so the top-``total`` of all units is a subset of every running
+    top-``total``: after the last unit (and :meth:`finish` with the total of the units that came, if fewer did),
+    the entries alive are exactly :func:`spread_budget`'s choice. Memory: the keys of the alive entries (at most
+    ``total``) plus one unit's; each step sorts them once.
+    """
+
+    def __init__(self, total: int):
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise ValueError(f"total must be an int >= 0, got {total!r}")
+        self.total = total
+        self._keys: dict = {}   # unit -> (rows, n) float32 keys
+        self._alive: dict = {}  # unit -> (rows, n) bool: in the running top-total
+
+    @property
+    def units(self) -> list:
+        return list(self._keys)
+
+    def alive(self, unit) -> torch.Tensor:
+        """``(rows, n)`` bool: the entries of ``unit`` still in the running top-``total``."""
+        return self._alive[unit]
+
+    def add(self, unit, keys: torch.Tensor) -> list:
+        """Rank ``keys`` (``(rows, n)``, from :func:`floor_keyed`) with the alive entries of the earlier units;
+        returns the earlier units that lost entries (the new unit's own are :meth:`alive`)."""
+        if unit in self._keys:
+            raise ValueError(f"unit {unit!r} was added already")
+        self._keys[unit] = keys
+        self._alive[unit] = torch.ones_like(keys, dtype=torch.bool)
+        return [u for u in self._rank(self.total) if u != unit]
+
+    def finish(self, total: int) -> list:
+        """Keep the best ``total`` (``<= self.total``: the units that came were fewer than planned); returns the
+        units that lost entries."""
+        if total > self.total:
+            raise ValueError(f"total can only shrink once entries are dropped: {total} > {self.total}")
+        self.total = total
+        return self._rank(total)
+
+    def _rank(self, total: int) -> list:
+        units = list(self._keys)
+        alive_keys = [self._keys[u][self._alive[u]] for u in units]  # row-major: rows, then tokens, in order
+        flat = torch.cat(alive_keys) if alive_keys else torch.zeros(0)
+        if flat.numel() <= total:
+            return []
+        chosen = torch.zeros_like(flat, dtype=torch.bool)
+        chosen[flat.argsort(descending=True, stable=True)[:total]] = True
+        lost, start = [], 0
+        for u, k in zip(units, alive_keys):
+            part = chosen[start:start + k.numel()]
+            start += k.numel()
+            if not bool(part.all()):
+                alive = self._alive[u].clone()
+                alive[alive.clone()] = part
+                self._alive[u] = alive
+                lost.append(u)
+        return lost

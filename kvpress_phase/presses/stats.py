@@ -61,7 +61,7 @@ class LayerStats:
     ragged: bool = False
     """Whether the layer's cache was stored ragged (:class:`~kvpress_phase.ragged.RaggedLayer`: each KV head its own
     entries, the padding in :attr:`masked` not stored), as the per-head budget wrappers store it when used as a
-    context manager (:mod:`kvpress_phase.presses.ragged_store`)."""
+    context manager (:mod:`kvpress_phase.presses.storage`)."""
 
     @property
     def phases(self) -> Optional[torch.Tensor]:

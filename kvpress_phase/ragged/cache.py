@@ -11,7 +11,9 @@ Layout of one :class:`RaggedLayer` (one sequence, batch 1), as AdaKV's head-flat
 Built from a compressed result (:meth:`RaggedLayer.from_dense`: a dense ``(1, heads, length, dim)`` pair and which
 slots only pad a shorter head), a layer stores exactly the kept entries, with no slack. Each decoding step appends
 its new tokens to every head (:meth:`RaggedLayer.update`); when a head has no room left the layer is repacked once
-with ``growth`` rows of slack per head, so a step copies only the new tokens most of the time.
+with slack proportional to each head's length (``slack``, at least ``growth`` rows), so a step copies only the new
+tokens most of the time and the capacity stays within a few percent of the live entries. A crop (kvpress's pipeline
+removes every answer this way) releases the slack: the layer holds its live entries exactly again.
 
 What :meth:`RaggedLayer.get_seq_length` returns: the length of the dense cache the layer was built from (the longest
 head, padding included: the masked cache's length) plus the tokens appended since. It is what transformers and
@@ -24,6 +26,7 @@ tensors. The keys and values reach attention as a :class:`RaggedView`, which onl
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -34,7 +37,13 @@ __all__ = ["RaggedLayer", "RaggedCache", "RaggedView", "cache_nbytes", "ATTENTIO
 ATTENTION_NAME = "kvpress_phase_ragged"
 """The ``attn_implementation`` that attends over ragged layers (:mod:`kvpress_phase.ragged.attention`)."""
 INDEX_DTYPE = torch.int32
-DEFAULT_GROWTH = 64
+DEFAULT_GROWTH = 2
+"""Rows of slack a head gets at least when its layer is repacked while decoding."""
+DEFAULT_SLACK = 0.03
+"""Slack a head gets when its layer is repacked while decoding, as a share of its length (the capacity stays within
+about 1.03x of the live entries, plus ``growth`` rows per head)."""
+RELEASE_AT = 0.02
+"""A crop repacks the layer exactly when its capacity exceeds its live entries by more than this share."""
 
 
 def _not_dense(what: str) -> ValueError:
@@ -102,17 +111,23 @@ class RaggedLayer(CacheLayerMixin):
 
     Parameters
     ----------
-    growth : int, default 64
-        Rows of slack each head gets when the layer is repacked because a head has no room for a step's tokens.
+    growth : int, default 2
+        Rows of slack each head gets at least when the layer is repacked because a head has no room for a step's
+        tokens.
+    slack : float, default 0.03
+        Slack each head gets at such a repack as a share of its length (the larger of the two is given). A crop
+        releases it (:meth:`crop`).
     """
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, growth: int = DEFAULT_GROWTH):
+    def __init__(self, growth: int = DEFAULT_GROWTH, slack: float = DEFAULT_SLACK):
         if not isinstance(growth, int) or isinstance(growth, bool) or growth < 0:
             raise ValueError(f"growth must be an int >= 0, got {growth!r}")
-        self.growth = growth
+        if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack <= 1:
+            raise ValueError(f"slack must be a number in [0, 1], got {slack!r}")
+        self.growth, self.slack = growth, float(slack)
         self.key_buffer: Optional[torch.Tensor] = None
         self.value_buffer: Optional[torch.Tensor] = None
         self.starts: Optional[torch.Tensor] = None
@@ -128,7 +143,7 @@ class RaggedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dense(cls, keys: torch.Tensor, values: torch.Tensor, *, lengths=None, masked=None,
-                   growth: int = DEFAULT_GROWTH) -> "RaggedLayer":
+                   growth: int = DEFAULT_GROWTH, slack: float = DEFAULT_SLACK) -> "RaggedLayer":
         """A layer holding the kept entries of a dense ``(1, kv_heads, length, dim)`` pair, exactly (no slack).
 
         Give at most one of ``lengths`` (``(kv_heads,)``: head ``h`` keeps its first ``lengths[h]`` slots, the rest
@@ -155,7 +170,7 @@ class RaggedLayer(CacheLayerMixin):
                 raise ValueError(f"masked must be a bool ({heads}, {length}) tensor (one row per KV head), got "
                                  f"{masked.dtype} {tuple(masked.shape)}")
             keep = ~masked
-        layer = cls(growth=growth)
+        layer = cls(growth=growth, slack=slack)
         counts = keep.sum(dim=-1).tolist()
         layer._pack(keys[0][keep], values[0][keep], [0] + _cumsum(counts)[:-1], counts, counts)
         layer.base_length, layer.appended = length, 0
@@ -192,6 +207,11 @@ class RaggedLayer(CacheLayerMixin):
     def head_lengths(self) -> list[int]:
         """Each KV head's length, from the host copy (no device read)."""
         return list(self._lengths)
+
+    @property
+    def capacity(self) -> int:
+        """Rows the buffers hold over every KV head, slack included (:attr:`entries` of them are live)."""
+        return sum(self._capacity)
 
     @property
     def nbytes(self) -> int:
@@ -238,7 +258,8 @@ class RaggedLayer(CacheLayerMixin):
         _check_dense(key_states, value_states, heads=self.num_heads)
         n = key_states.shape[2]
         if any(length + n > cap for length, cap in zip(self._lengths, self._capacity)):
-            self._repack([length + n + self.growth for length in self._lengths])
+            self._repack([length + n + max(self.growth, math.ceil(self.slack * (length + n)))
+                          for length in self._lengths])
         # rows and lengths from the host copies: one small host-to-device copy each, no device read
         rows = torch.tensor([start + length + i for start, length in zip(self._starts, self._lengths) for i in range(n)],
                             device=self.device)
@@ -279,6 +300,26 @@ class RaggedLayer(CacheLayerMixin):
         self.lengths = self.lengths - drop
         self._lengths = [length - drop for length in self._lengths]
         self.appended -= drop
+        if self.capacity > (1 + RELEASE_AT) * self.entries:  # release the slack the dropped tokens grew
+            self._repack(list(self._lengths))
+
+    def retain(self, keep: torch.Tensor, seq_length: Optional[int] = None) -> None:
+        """Keep only the live entries ``keep`` marks and free the others: ``keep`` is a bool tensor over the live
+        entries, head after head, each head's in order (``sum(head_lengths)`` long). The layer is repacked exactly
+        (no slack). ``seq_length``: the dense length the layer stands for afterwards (:meth:`get_seq_length`;
+        unchanged by default)."""
+        keep = torch.as_tensor(keep, device=self.device)
+        if keep.dtype != torch.bool or keep.shape != (self.entries,):
+            raise ValueError(f"keep must be a bool tensor of the layer's {self.entries} live entries, got "
+                             f"{keep.dtype} {tuple(keep.shape)}")
+        rows = _rows(self._starts, self._lengths, self.device)
+        head_of_row = torch.arange(self.num_heads, device=self.device).repeat_interleave(
+            torch.tensor(self._lengths, device=self.device))
+        counts = torch.bincount(head_of_row[keep], minlength=self.num_heads).tolist()
+        kept = rows[keep]
+        self._pack(self.key_buffer[kept], self.value_buffer[kept], [0] + _cumsum(counts)[:-1], counts, counts)
+        if seq_length is not None:
+            self.base_length, self.appended = int(seq_length), 0
 
     def get_seq_length(self) -> int:
         """The dense length this layer stands for (module docstring): the length it was built from plus every token
@@ -330,10 +371,10 @@ class RaggedCache(Cache):
     ``DynamicLayer`` for a layer whose heads all keep the same entries). Without ``layers``, ragged layers are
     created as the model first writes them (all heads of a layer then grow together). Batch 1 only."""
 
-    def __init__(self, layers: Optional[list] = None, growth: int = DEFAULT_GROWTH):
+    def __init__(self, layers: Optional[list] = None, growth: int = DEFAULT_GROWTH, slack: float = DEFAULT_SLACK):
         if layers is None:
-            RaggedLayer(growth)  # validates growth
-            super().__init__(layer_class_to_replicate=lambda: RaggedLayer(growth))
+            RaggedLayer(growth, slack)  # validates growth and slack
+            super().__init__(layer_class_to_replicate=lambda: RaggedLayer(growth, slack))
         else:
             super().__init__(layers=list(layers))
 
@@ -343,16 +384,43 @@ class RaggedCache(Cache):
         return cache_nbytes(self)
 
 
-def cache_nbytes(cache: Cache) -> int:
-    """Bytes a cache's layers hold: a :class:`RaggedLayer`'s buffers and index (:attr:`RaggedLayer.nbytes`), a dense
-    layer's keys and values tensors."""
+def cache_nbytes(cache) -> int:
+    """Bytes a transformers cache holds, whatever its layers: every tensor a layer keeps (a dense layer's keys and
+    values, a quantized layer's packed data and scales, a :class:`RaggedLayer`'s buffers, slack included, and its
+    index), each storage counted once and whole. A dense layer that kvpress's pipeline cropped after an answer
+    (``keys[:, :, :n]``, a view) still holds the storage it was cut from, and is counted with it: the bytes are
+    what the process keeps, not what attention reads. Exported as ``kvpress_phase.cache_bytes``."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ValueError(f"cache_bytes takes a transformers Cache (DynamicCache, QuantizedCache, RaggedCache, ...), "
+                         f"got {type(cache).__name__}")
+    seen: set = set()
     total = 0
-    for layer in cache.layers:
-        if isinstance(layer, RaggedLayer):
-            total += layer.nbytes
-        elif getattr(layer, "is_initialized", False) and layer.keys is not None:
-            total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    for layer in layers:
+        for tensor in _layer_tensors(layer):
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr(), storage.nbytes())
+            if tensor.device.type == "meta" or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
     return total
+
+
+def _layer_tensors(layer):
+    """Every plain tensor a cache layer holds (tensor subclasses, such as quanto's packed tensors, opened up)."""
+    if isinstance(layer, RaggedLayer):
+        found = [layer.key_buffer, layer.value_buffer, layer.starts, layer.lengths] if layer.is_initialized else []
+    else:
+        found = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    stack = list(found)
+    while stack:
+        tensor = stack.pop()
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+            names, _ = tensor.__tensor_flatten__()
+            stack.extend(getattr(tensor, name) for name in names)
+        elif tensor is not None:
+            yield tensor
 
 
 def _check_dense(keys: torch.Tensor, values: torch.Tensor, heads: Optional[int] = None) -> None:

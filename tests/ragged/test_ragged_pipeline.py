@@ -2,7 +2,7 @@
 
 The masked answers come from the evaluation's replay engine, which calls ``press.compress`` directly and decodes with
 the padding masked; the pipeline uses the press as a context manager, which stores the padded layers ragged
-(:mod:`kvpress_phase.presses.ragged_store`)."""
+(:mod:`kvpress_phase.presses.storage`)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_logits_of_ragged_decoding_equal_masked_decoding(built_in, wrapper):
     for how in ("masked", "ragged"):
         model.set_attn_implementation("sdpa")
         press, cache = WRAPPERS[wrapper](PhaseAwarePress(0.75)), DynamicCache()
-        context = press(model) if how == "ragged" else _without_ragged_store(press, model)
+        context = press(model) if how == "ragged" else _stored_masked(press, model)
         with torch.no_grad():
             with context:
                 model.model(ids, past_key_values=cache)
@@ -114,13 +114,11 @@ def test_logits_of_ragged_decoding_equal_masked_decoding(built_in, wrapper):
     torch.testing.assert_close(logits["ragged"], logits["masked"], rtol=1e-4, atol=1e-4)
 
 
-def _without_ragged_store(press, model):
+def _stored_masked(press, model):
     """The press's compression as its context manager runs it, minus the ragged store: the padding stays masked."""
-    from kvpress import BasePress
+    from kvpress_phase.presses.storage import stored_masked
 
-    from kvpress_phase.presses.base import _compress_after_prefill
-
-    return _compress_after_prefill(press, model) if press.plans_across_layers else BasePress.__call__(press, model)
+    return stored_masked(press, model)
 
 
 def test_the_pipeline_leaves_the_compressed_context_after_its_answers(built_in):
