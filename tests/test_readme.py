@@ -1,8 +1,11 @@
-"""README.md's "Use" snippets run as written and print what their comments say: the first on the built-in model,
-the second (the recommended press, learned KVzip+ scores) on a model a scorer ships for."""
+"""README.md's "Use" snippets run as written, each alone from top to bottom in a fresh namespace (a reader copies one
+of them), and print what their comments say: the first on the built-in model, the second (the recommended press,
+learned KVzip+ scores) on a model a scorer ships for."""
 
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
 import io
 import os
@@ -35,14 +38,46 @@ def expected_prints(snippet: str) -> list[str]:
     return out
 
 
-def _run(snippets: list[str]) -> tuple[dict, list[str]]:
-    """The namespace after running ``snippets`` in one namespace, and the lines they printed."""
+def _run(index: int) -> tuple[dict, list[str]]:
+    """The namespace after running the snippet ``index`` (0: the first) alone, in a fresh namespace, and the lines
+    it printed."""
     namespace: dict = {}
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        for i, snippet in enumerate(snippets):
-            exec(compile(snippet, f"README.md (Use, snippet {i + 1})", "exec"), namespace)  # noqa: S102
+        exec(compile(_use_snippets()[index], f"README.md (Use, snippet {index + 1})", "exec"), namespace)  # noqa: S102
     return namespace, [line.strip() for line in printed.getvalue().splitlines()]
+
+
+def undefined_names(snippet: str) -> list[str]:
+    """The names ``snippet`` reads that it neither imports nor assigns (nor are Python's builtins), in order: each
+    a NameError when the snippet runs alone. Read from its syntax tree, so no model is loaded."""
+    tree = ast.parse(snippet)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    read = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)]
+    return list(dict.fromkeys(node.id for node in sorted(read, key=lambda n: (n.lineno, n.col_offset))
+                              if node.id not in bound))
+
+
+def test_every_use_snippet_defines_every_name_it_reads():
+    snippets = _use_snippets()
+    assert len(snippets) >= 2
+    for i, snippet in enumerate(snippets, 1):
+        assert undefined_names(snippet) == [], f"README.md's snippet {i} does not run alone"
+
+
+def test_undefined_names_finds_what_a_snippet_takes_from_another():
+    assert undefined_names("from a import b\nx = b(1)\nprint(x, y, len(z))\n") == ["y", "z"]
+    assert undefined_names("import os.path\nfor i in range(2):\n    print(os.sep, i)\n") == []
+    assert undefined_names("model, tokenizer = load_builtin_model()\n") == ["load_builtin_model"]
 
 
 def test_expected_prints_reads_the_comments():
@@ -71,7 +106,7 @@ def test_the_use_snippet_runs_on_the_built_in_model_and_prints_what_it_says():
     from kvpress_phase import ChunkedStridePress, PhaseAwarePress
     from kvpress_phase.core.phase import compressed_length
 
-    namespace, printed = _run([_use_snippet()])
+    namespace, printed = _run(0)
     assert printed == expected_prints(_use_snippet())
     example = namespace["example"]
     assert printed[0] == f"{example['answer'][0]} | {example['answer'][0]}"  # the answer is the reference
@@ -124,12 +159,11 @@ def test_the_built_in_model_refuses_kvzap_naming_the_models_the_snippet_names():
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_the_recommended_press_snippet_runs_on_its_model_and_prints_what_it_says():
+def test_the_recommended_press_snippet_runs_alone_on_its_model_and_prints_what_it_says():
     from kvpress_phase import GlobalBudgetPress, cache_summary
 
-    snippets = _use_snippets()[:2]
-    namespace, printed = _run(snippets)
-    assert printed == expected_prints(snippets[0]) + expected_prints(snippets[1])
+    namespace, printed = _run(1)
+    assert printed == expected_prints(_use_snippets()[1])
     press = namespace["press"]
     assert isinstance(press, GlobalBudgetPress)
     assert namespace["example"]["answer"][0] in namespace["answer"]

@@ -92,6 +92,7 @@ class BudgetPress(BasePress):
     floor: float = 0.0
     _plan: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _stream: object = field(default=None, init=False, repr=False, compare=False)
+    _storing: bool = field(default=False, init=False, repr=False, compare=False)
 
     across_layers: ClassVar[bool] = False
     """Whether the budget is spread across layers (compressing after the prefill)."""
@@ -152,18 +153,26 @@ class BudgetPress(BasePress):
                              f"evicts what drops out of it, so it cannot keep a recent block sized by each row's final "
                              f"count: use PhaseAwarePress(recent=0) (got recent={self.press.recent:g}), or "
                              "HeadBudgetPress for a budget within each layer")
-        with ragged_storage(self, model) if self.per_head else contextlib.nullcontext():
-            if not getattr(self.press.scorer, "needs_context", False):
-                with BasePress.__call__(self, model):
-                    yield
-            else:
-                with _compress_after_prefill(self, model):
-                    yield
-        self._finish_stream()
+        self._storing = True
+        try:
+            with ragged_storage(self, model) if self.per_head else contextlib.nullcontext():
+                if not getattr(self.press.scorer, "needs_context", False):
+                    with BasePress.__call__(self, model):
+                        yield
+                else:
+                    with _compress_after_prefill(self, model):
+                        yield
+            self._finish_stream()
+        finally:
+            self._storing, self._stream = False, None
 
     def forward_hook(self, module, input, kwargs, output):
         """kvpress's hook, after each attention layer's forward: during the prefill, compress the layer's cache
-        (:meth:`compress_cached`)."""
+        (:meth:`compress_cached`). Called by another press's context (kvpress's ``ComposedPress``), a budget within
+        the layer leaves its padding masked, as kvpress's per-head presses do, and a budget across layers refuses
+        (:meth:`planned`): it needs to see every layer."""
+        if not self._storing:
+            return BasePress.forward_hook(self, module, input, kwargs, output)
         if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
             self.compress_cached(module, kwargs["hidden_states"], kwargs["past_key_values"], output[1], kwargs)
         return output
