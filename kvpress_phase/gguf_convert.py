@@ -22,9 +22,11 @@ The folder is written by the caller (:mod:`kvpress_phase.model_cache`, which als
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from typing import Optional
+from contextlib import contextmanager
+from typing import Callable, Optional
 
 # llama.cpp's pre-tokenizer names (``tokenizer.ggml.pre``) for byte-level BPE vocabularies, and the split that each
 # names: single digits split off before GPT-2's pattern (StarCoder family, SmolLM), GPT-2's pattern alone, Llama 3's
@@ -195,16 +197,50 @@ def check_tokenizer(tokenizer, source: str = "the GGUF file") -> None:
 
 
 # ------------------------------------------------------------------------------------------------ conversion
-def convert_gguf(gguf_path: str, output_dir: str, progress: bool = True) -> dict:
+@contextmanager
+def quiet_transformers():
+    """transformers' own progress bars off while the block runs (restored after): its logging's (loading the
+    weights, writing the shards) and the GGUF reader's per-tensor bar, a plain ``tqdm`` that transformers does not let
+    one turn off (transformers 5.2: ``modeling_gguf_pytorch_utils.tqdm``). A first use prints one bar of its own
+    instead (:class:`kvpress_phase.model_cache.StepBar`), not hundreds of lines into logs and notebook outputs."""
+    from transformers.utils import logging as hf_logging
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_reader
+    except ImportError:  # another layout: only the logging's bars are turned off
+        gguf_reader = None
+    bar = getattr(gguf_reader, "tqdm", None)
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_reader.tqdm = bar
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+CONVERT_STEPS = 3
+"""The steps :func:`convert_gguf` reports through its ``step`` callback: the tokenizer, the weights, the folder."""
+
+
+def convert_gguf(gguf_path: str, output_dir: str, progress: bool = True,
+                 step: Optional[Callable[[str], None]] = None) -> dict:
     """Write a transformers folder (float32 safetensors weights, config, generation config, tokenizer) for the GGUF
     file ``gguf_path`` into ``output_dir`` and return what was done (saved as ``conversion.json`` there).
 
     The tokenizer is checked (:func:`check_tokenizer`) before any weight is read, so a refused file costs seconds.
+    transformers' own progress bars stay off (:func:`quiet_transformers`); ``step(text)``, when given, is called as
+    each of the :data:`CONVERT_STEPS` steps starts (``progress`` is kept for callers; the steps are the progress).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.utils import logging as hf_logging
 
+    step = step or (lambda text: None)
+    step("reading the tokenizer")
     metadata = read_metadata(gguf_path)
     arch = metadata.get("general.architecture")
     if arch is None:
@@ -217,30 +253,29 @@ def convert_gguf(gguf_path: str, output_dir: str, progress: bool = True) -> dict
         repaired = True
     else:  # SentencePiece-style vocabularies: transformers' own conversion, checked like ours
         try:
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            with quiet_transformers():
+                tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
             raise ConversionError(f"transformers cannot build a tokenizer from {gguf_path!r}: {exc}") from None
         repaired = False
     check_tokenizer(tokenizer, os.path.basename(gguf_path))
 
-    enabled = hf_logging.is_progress_bar_enabled()
-    if not progress:
-        hf_logging.disable_progress_bar()
+    step("de-quantising the weights to float32")
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001
         raise ConversionError(f"transformers cannot read the weights of {gguf_path!r}: {exc}") from None
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     model.config.eos_token_id = eos_id
     model.config.bos_token_id = tokenizer.bos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id,
                                                pad_token_id=tokenizer.pad_token_id)
+    step("writing the transformers folder")
     os.makedirs(output_dir, exist_ok=True)
-    model.save_pretrained(output_dir)
+    with quiet_transformers():
+        model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     info = {
         "source": os.path.basename(gguf_path),

