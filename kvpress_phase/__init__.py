@@ -27,6 +27,7 @@ _LAZY = {
     "CacheSummary": "kvpress_phase.presses.stats",
     "cache_summary": "kvpress_phase.presses.stats",
     "RaggedCache": "kvpress_phase.ragged",
+    "cache_bytes": "kvpress_phase.ragged",
     "RaggedLayer": "kvpress_phase.ragged",
     "WindowLayout": "kvpress_phase.core.phase",
     "phase_of": "kvpress_phase.core.phase",

@@ -26,8 +26,8 @@ A budget across layers is spent while the prefill runs, layer by layer, exactly:
 forward (its attention input and keys are there), and only its scores are kept. The layer's entries that are in the
 running top-``B`` over every layer scored so far (``B`` the model's budget; floors and the protected sink and local
 tokens outside the competition, :class:`~kvpress_phase.presses.choice.RunningTopB`) are stored at once, and entries of
-earlier layers that drop out of it are evicted; a layer is compacted when its evicted rows pass
-:data:`EVICTED_SHARE` of what it stores, and every layer when the last one has been scored. Because the top-``B`` of
+earlier layers that drop out of it are evicted; the layers holding most evicted rows are compacted whenever those
+pass :data:`EVICTED_SHARE` of what is stored, and every layer when the last one has been scored. Because the top-``B`` of
 all layers is a subset of every running top-``B``, the final cache is exactly the choice the budget makes over all
 layers at once (:func:`~kvpress_phase.presses.choice.spread_budget`); the prefill never holds a layer's hidden
 states or more than its budget and one layer's keys and values. A scorer that needs the whole context (KVzip's
@@ -70,8 +70,8 @@ from kvpress_phase.presses.storage import kept_positions, ragged_storage, store_
 from kvpress_phase.ragged import RaggedLayer
 
 EVICTED_SHARE = 0.05
-"""A layer of a budget across layers is compacted during the prefill once the entries evicted from it (dropped out
-of the running top-``B``, still in memory until then) pass this share of what it stores."""
+"""During the prefill of a budget across layers, the entries evicted (dropped out of the running top-``B``) but not yet
+freed are held below this share of the entries stored: past it, the layers holding most of them are compacted."""
 
 
 @dataclass
@@ -230,9 +230,10 @@ class BudgetPress(BasePress):
         record = stream.layers[layer_idx]
         record.keep = record.keep_of(stream.top.alive(layer_idx))
         store_layer(cache, layer_idx, keys, values, record.keep, seq_length=keys.shape[2])
-        record.stored = record.keep
+        record.stored, record.n_stored = record.keep, int(record.keep.sum())
         for other in lost:
             stream.evict(other, compact=False)
+        stream.bound_evicted()
         if len(stream.layers) == stream.n_layers:
             self._finish_stream()
 
@@ -427,6 +428,7 @@ class _StreamedLayer:
         self.module, self.layout, self.win_pos, self.shape = module, layout, win_pos, tuple(shape)
         self.budget, self.entry_bytes = budget, entry_bytes
         self.keep = self.stored = None
+        self.n_stored = self.evicted = 0  # entries stored; of them, evicted and not yet freed
 
     def rows(self, per_head: bool) -> int:
         return self.shape[1] if per_head else 1
@@ -447,13 +449,24 @@ class _Stream:
         self.cache = weakref.ref(cache)
         self.layers: dict = {}
 
+    def bound_evicted(self) -> None:
+        """Compact the layers holding most evicted entries until those are at most :data:`EVICTED_SHARE` of the
+        entries stored."""
+        pending = {i: r.evicted for i, r in self.layers.items() if r.evicted}
+        stored = sum(r.n_stored for r in self.layers.values())
+        total = sum(pending.values())
+        while pending and total > EVICTED_SHARE * stored:
+            layer_idx = max(pending, key=pending.get)
+            total -= pending.pop(layer_idx)
+            stored -= self.layers[layer_idx].evicted
+            self.evict(layer_idx, compact=True)
+
     def evict(self, layer_idx: int, *, compact: bool) -> None:
-        """Bring ``layer_idx``'s kept entries up to date; free the evicted ones once they pass
-        :data:`EVICTED_SHARE` of what the layer stores (always with ``compact``)."""
+        """Bring ``layer_idx``'s kept entries up to date, and with ``compact`` free its evicted ones."""
         record = self.layers[layer_idx]
         record.keep = record.keep_of(self.top.alive(layer_idx))
-        evicted = int((record.stored & ~record.keep).sum())
-        if evicted == 0 or (not compact and evicted <= EVICTED_SHARE * int(record.stored.sum())):
+        record.evicted = int((record.stored & ~record.keep).sum())
+        if record.evicted == 0 or not compact:
             return
         cache = self.cache()
         if cache is None:
@@ -473,7 +486,8 @@ class _Stream:
                 layer.values = layer.values.gather(2, take.expand(-1, -1, -1, layer.values.shape[-1]))
             else:
                 store_layer(cache, layer_idx, layer.keys, layer.values, keep_rows)
-        record.stored = record.keep
+        record.stored, record.evicted = record.keep, 0
+        record.n_stored = int(record.stored.sum())
 
 
 def _attention_layers(module, cache) -> list:

@@ -1,7 +1,7 @@
 """A KV cache whose heads have their own lengths, and the attention that reads it.
 
 - :mod:`.cache`: :class:`RaggedLayer` (one layer, every KV head head-flattened at its own length, grown in place while
-  decoding), :class:`RaggedCache` (a transformers ``Cache`` of them), :func:`cache_nbytes`;
+  decoding), :class:`RaggedCache` (a transformers ``Cache`` of them), :func:`cache_bytes` (the bytes any cache holds);
 - :mod:`.attention`: :func:`ragged_attention_forward`, registered with transformers' ``AttentionInterface`` as
   ``"kvpress_phase_ragged"`` when this package is imported (SDPA, exactly, for layers that are not ragged).
 
@@ -13,9 +13,9 @@ The attention itself is :func:`kvpress_phase.kernels.ragged_attention` (Triton o
 """
 
 from kvpress_phase.ragged.attention import ragged_attention_forward, register
-from kvpress_phase.ragged.cache import ATTENTION_NAME, RaggedCache, RaggedLayer, RaggedView, cache_nbytes
+from kvpress_phase.ragged.cache import ATTENTION_NAME, RaggedCache, RaggedLayer, RaggedView, cache_bytes, cache_nbytes
 
 register()
 
-__all__ = ["ATTENTION_NAME", "RaggedCache", "RaggedLayer", "RaggedView", "cache_nbytes", "ragged_attention_forward",
+__all__ = ["ATTENTION_NAME", "RaggedCache", "RaggedLayer", "RaggedView", "cache_bytes", "cache_nbytes", "ragged_attention_forward",
            "register"]

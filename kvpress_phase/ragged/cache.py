@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["RaggedLayer", "RaggedCache", "RaggedView", "cache_nbytes", "ATTENTION_NAME"]
+__all__ = ["RaggedLayer", "RaggedCache", "RaggedView", "cache_bytes", "cache_nbytes", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "kvpress_phase_ragged"
 """The ``attn_implementation`` that attends over ragged layers (:mod:`kvpress_phase.ragged.attention`)."""
@@ -312,11 +312,11 @@ class RaggedLayer(CacheLayerMixin):
         if keep.dtype != torch.bool or keep.shape != (self.entries,):
             raise ValueError(f"keep must be a bool tensor of the layer's {self.entries} live entries, got "
                              f"{keep.dtype} {tuple(keep.shape)}")
-        rows = _rows(self._starts, self._lengths, self.device)
-        head_of_row = torch.arange(self.num_heads, device=self.device).repeat_interleave(
-            torch.tensor(self._lengths, device=self.device))
-        counts = torch.bincount(head_of_row[keep], minlength=self.num_heads).tolist()
-        kept = rows[keep]
+        if self.capacity == self.entries:  # no slack (a prefill's layer): the live rows are the buffer's rows
+            kept = torch.nonzero(keep).flatten()
+        else:
+            kept = _rows(self._starts, self._lengths, self.device)[keep]
+        counts = [int(part.sum()) for part in keep.split(self._lengths)]
         self._pack(self.key_buffer[kept], self.value_buffer[kept], [0] + _cumsum(counts)[:-1], counts, counts)
         if seq_length is not None:
             self.base_length, self.appended = int(seq_length), 0
@@ -380,11 +380,11 @@ class RaggedCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes every layer holds (:func:`cache_nbytes`)."""
-        return cache_nbytes(self)
+        """Bytes every layer holds (:func:`cache_bytes`)."""
+        return cache_bytes(self)
 
 
-def cache_nbytes(cache) -> int:
+def cache_bytes(cache) -> int:
     """Bytes a transformers cache holds, whatever its layers: every tensor a layer keeps (a dense layer's keys and
     values, a quantized layer's packed data and scales, a :class:`RaggedLayer`'s buffers, slack included, and its
     index), each storage counted once and whole. A dense layer that kvpress's pipeline cropped after an answer
@@ -405,6 +405,10 @@ def cache_nbytes(cache) -> int:
             seen.add(key)
             total += storage.nbytes()
     return total
+
+
+cache_nbytes = cache_bytes
+"""The former name of :func:`cache_bytes`."""
 
 
 def _layer_tensors(layer):
@@ -447,8 +451,4 @@ def _rows(starts: list[int], lengths: list[int], device) -> torch.Tensor:
     """Every stored row, head after head: ``starts[h] + 0 .. lengths[h] - 1``."""
     if not lengths or sum(lengths) == 0:
         return torch.zeros(0, dtype=torch.long, device=device)
-    length = torch.tensor(lengths, device=device)
-    first = torch.tensor(starts, device=device).repeat_interleave(length)
-    offset = torch.arange(int(length.sum()), device=device) - \
-        torch.tensor([0] + _cumsum(lengths)[:-1], device=device).repeat_interleave(length)
-    return first + offset
+    return torch.cat([torch.arange(start, start + length, device=device) for start, length in zip(starts, lengths)])
