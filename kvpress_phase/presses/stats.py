@@ -174,13 +174,15 @@ class CacheSummary:
                 "stored_ratio": self.stored_ratio}
 
 
-def cache_summary(press) -> CacheSummary:
+def cache_summary(press, cache=None) -> CacheSummary:
     """The :class:`CacheSummary` of the last prefill that ``press`` compressed: a press of this package (any whose
     ``stats`` holds :class:`LayerStats`) or its ``stats`` dict. ValueError when nothing was recorded yet, or a record
     lacks its shape (one built by hand without ``batch``, ``heads`` and ``entry_bytes``).
 
     It describes the cache as the prefill left it: under ``WindowedDecodingPress`` the records cover the compressed
-    part, not the raw tokens appended since."""
+    part, not the raw tokens appended since. With ``cache`` (the cache the prefill wrote, e.g. the one given to
+    kvpress's pipeline), ``bytes_stored`` is measured from it (:func:`kvpress_phase.cache_bytes`: every tensor it
+    holds, whatever it held since) instead of counted from the records."""
     stats = press if isinstance(press, Mapping) else getattr(press, "stats", None)
     if not isinstance(stats, Mapping):
         raise ValueError(f"cache_summary takes a press with a stats dict, or the dict, got {type(press).__name__}")
@@ -196,5 +198,9 @@ def cache_summary(press) -> CacheSummary:
         totals["bytes_stored"] += s.entries_stored * s.entry_bytes + s.index_bytes
         totals["bytes_attended"] += s.entries_attended * s.entry_bytes
         totals["bytes_before"] += s.rows * s.seq_len * s.entry_bytes
+    if cache is not None:
+        from kvpress_phase.ragged import cache_bytes
+
+        totals["bytes_stored"] = cache_bytes(cache)
     return CacheSummary(len(stats), totals["before"], totals["stored"], totals["attended"], totals["bytes_stored"],
                         totals["bytes_attended"], totals["bytes_before"])

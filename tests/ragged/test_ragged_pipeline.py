@@ -138,3 +138,89 @@ def test_the_pipeline_leaves_the_compressed_context_after_its_answers(built_in):
             padding = torch.bincount(heads, minlength=layer.num_heads)
             assert layer.head_lengths == (record.compressed_length - padding).tolist()
     model.set_attn_implementation("sdpa")
+
+
+# ------------------------------------------------------------------------------------------------ bytes and attention
+def _capacity(cache) -> tuple[int, int]:
+    """(rows the ragged layers' buffers hold, live entries in them)."""
+    layers = [layer for layer in cache.layers if isinstance(layer, RaggedLayer)]
+    return sum(layer.capacity for layer in layers), sum(layer.entries for layer in layers)
+
+
+def test_capacity_is_exact_after_the_prefill_bounded_while_decoding_and_released_after_the_answer(built_in):
+    """After the prefill the ragged layers hold their entries exactly; while the pipeline answers (64 tokens, the end
+    of sequence ignored) their capacity stays within 1.05x of the live entries; when it removes the answer the
+    slack is released (within 1.02x)."""
+    model, tokenizer, rows = built_in
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    press, cache = GlobalBudgetPress(PhaseAwarePress(0.75)), DynamicCache()
+    seen = []
+    generate_answer = pipe.generate_answer
+
+    def watched(question_ids, cache, context_length, max_new_tokens):
+        seen.append(("prefill", *_capacity(cache)))
+        original = model.forward
+
+        def forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            seen.append(("decoding", *_capacity(cache)))
+            return out
+
+        model.forward = forward
+        try:
+            return generate_answer(question_ids, cache, context_length, max_new_tokens)
+        finally:
+            del model.forward
+
+    pipe.generate_answer = watched
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [-1]
+    try:
+        pipe(rows[0]["context"], question=rows[0]["question"], press=press, max_new_tokens=64, cache=cache)
+    finally:
+        model.generation_config.eos_token_id = eos
+    assert seen[0][0] == "prefill" and seen[0][1] == seen[0][2] > 0
+    decoding = [(cap, live) for what, cap, live in seen if what == "decoding"]
+    assert len(decoding) == 64
+    assert max(cap / live for cap, live in decoding) <= 1.05
+    assert any(cap > live for cap, live in decoding)  # it did grow in place
+    capacity, live = _capacity(cache)
+    assert capacity <= 1.02 * live and live == seen[0][2]
+
+
+def test_the_attention_is_restored_when_the_ragged_cache_is_freed(built_in):
+    """The model decodes ragged layers with the ragged attention while the pipeline's cache is alive; once the
+    pipeline returns (its own cache freed) the model has the attention it had. A cache the caller keeps keeps it
+    switched until it is dropped."""
+    import gc
+
+    model, tokenizer, rows = built_in
+    model.set_attn_implementation("sdpa")
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    pipe(rows[0]["context"], question=rows[0]["question"], press=GlobalBudgetPress(PhaseAwarePress(0.75)),
+         max_new_tokens=3)
+    gc.collect()
+    assert model.config._attn_implementation == "sdpa"
+    cache = DynamicCache()
+    pipe(rows[0]["context"], question=rows[0]["question"], press=GlobalBudgetPress(PhaseAwarePress(0.75)),
+         max_new_tokens=3, cache=cache)
+    assert model.config._attn_implementation == ATTENTION_NAME
+    del cache
+    gc.collect()
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_cache_bytes_counts_every_storage_once_whatever_the_cache():
+    from kvpress_phase import cache_bytes
+
+    keys = torch.zeros(1, 2, 10, 4)
+    cache = DynamicCache()
+    cache.update(keys, keys.clone(), 0)
+    cache.update(keys, keys.clone(), 1)
+    assert cache_bytes(cache) == 4 * keys.numel() * 4
+    cache.layers[1].values = cache.layers[1].keys  # one tensor as both keys and values: counted once
+    assert cache_bytes(cache) == 3 * keys.numel() * 4
+    cache.layers[0].keys = cache.layers[0].keys[:, :, :3]  # a crop keeps its storage
+    assert cache_bytes(cache) == 3 * keys.numel() * 4
+    with pytest.raises(ValueError, match="transformers Cache"):
+        cache_bytes(object())
