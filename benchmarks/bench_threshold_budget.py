@@ -30,7 +30,8 @@ from common import append_result, bad_input, parse_list, parse_names, proc_statu
 
 
 def make_press(kind: str, ratio: float, stride: int):
-    from kvpress_phase import GlobalBudgetPress, LayerBudgetPress, PhaseAwarePress, ThresholdBudgetPress
+    from kvpress_phase import GlobalBudgetPress, LayerBudgetPress, PhaseAwarePress
+    from kvpress_phase.presses.ablations import ThresholdBudgetPress
 
     wrappers = {"global": GlobalBudgetPress, "threshold": ThresholdBudgetPress, "layers": LayerBudgetPress}
     return None if kind == "none" else wrappers[kind](PhaseAwarePress(ratio, stride=stride, scorer="kvzap"))

@@ -93,6 +93,7 @@ def _fields(class_name: str, *extra: str, window: bool = False):
         import dataclasses
 
         import kvpress_phase
+        import kvpress_phase.presses.ablations
 
         run = set(RUN_SETTINGS) - ({"window"} if window else set())
         own = [f.name for f in dataclasses.fields(getattr(kvpress_phase, class_name))
@@ -112,9 +113,7 @@ def _wrapper_fields(name: str) -> tuple:
     ``threshold_budget``)."""
     import dataclasses
 
-    import kvpress_phase
-
-    return tuple(f.name for f in dataclasses.fields(getattr(kvpress_phase, WRAPPERS[name]))
+    return tuple(f.name for f in dataclasses.fields(_wrapper_class(name))
                  if f.init and f.name != "press" and not f.name.startswith("_"))
 
 
@@ -150,13 +149,19 @@ def _phase_aware(options: dict, a: BuildArgs):
     return PhaseAwarePress(a.ratio, stride=a.stride, offset=a.offset, **options)
 
 
+def _wrapper_class(name: str):
+    """The class of the budget wrapper ``name``: a press of the package, or a retired one of its ablations."""
+    import kvpress_phase
+    from kvpress_phase.presses import ablations
+
+    return getattr(kvpress_phase, WRAPPERS[name], None) or getattr(ablations, WRAPPERS[name])
+
+
 def _budget(name: str):
     """The budget wrapper ``name`` (:data:`~.spellings.WRAPPERS`) around the ``PhaseAwarePress`` of the other
     settings; the wrapper's own fields (``floor``, and ``threshold`` for ``threshold_budget``) are the wrapper's."""
     def build(options: dict, a: BuildArgs):
-        import kvpress_phase
-
-        cls = getattr(kvpress_phase, WRAPPERS[name])
+        cls = _wrapper_class(name)
         options = dict(options)
         inner = options.pop("press", WRAPPED)
         if inner != WRAPPED:
@@ -250,7 +255,7 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "layers and KV heads together (KVzip's shape)", _budget("global_budget"), settings="fields",
                masks=True, grid_offset=True, trainable=True, in_default_job=False, setting_names=_wrapper_settings("global_budget"),
                wraps=WRAPPED, example="global_budget:floor=0.25:scorer=kvzap"),
-    PressEntry("threshold_budget", "ThresholdBudgetPress(PhaseAwarePress): its raw-token budget over layers and KV "
+    PressEntry("threshold_budget", "retired (a study's ablation): ThresholdBudgetPress(PhaseAwarePress): its raw-token budget over layers and KV "
                "heads decided layer by layer, by a score threshold calibrated on the learned scorer's text (scorer "
                "kvzap by default)", _budget("threshold_budget"), settings="fields", masks=True, grid_offset=True,
                in_default_job=False, default_scorer="kvzap", setting_names=_wrapper_settings("threshold_budget"),

@@ -20,7 +20,6 @@ _LAZY = {
     "HeadBudgetPress": "kvpress_phase.presses.budget",
     "LayerBudgetPress": "kvpress_phase.presses.budget",
     "GlobalBudgetPress": "kvpress_phase.presses.budget",
-    "ThresholdBudgetPress": "kvpress_phase.presses.budget",
     "StaggeredWindowPress": "kvpress_phase.presses.ablations",
     "WindowedDecodingPress": "kvpress_phase.presses.decoding",
     "LayerStats": "kvpress_phase.presses.stats",

@@ -1,6 +1,6 @@
 """A KVzap scorer's score quantiles on calibration text: what ``ThresholdBudgetPress`` and the DMS baseline read.
 
-A budget decided layer by layer (:class:`~kvpress_phase.ThresholdBudgetPress`, kvpress's ``DMSPress``) keeps the
+A budget decided layer by layer (:class:`~kvpress_phase.presses.ablations.ThresholdBudgetPress`, kvpress's ``DMSPress``) keeps the
 entries whose learned score exceeds a threshold. The learned KVzip+ scores are on one scale for every layer and KV
 head, so one threshold per share of entries kept serves the whole model: the score that share of the scores exceeds
 on calibration text. :func:`calibrate` computes the quantiles of every score (every layer, KV head and position

@@ -3,13 +3,14 @@
 - :class:`ChunkedStridePress` (chunked_stride_press.py): fixed windows every ``stride`` tokens, ``k`` entries each;
 - :class:`PhaseAwarePress` (phase_aware_press.py): the same cache length, the row's best tokens;
 - :class:`HeadBudgetPress`, :class:`LayerBudgetPress`, :class:`GlobalBudgetPress` (budget.py): wrappers that spread a
-  ``PhaseAwarePress``'s budget by score across KV heads, layers, or both; :class:`ThresholdBudgetPress` (budget.py):
-  the budget over layers and heads decided layer by layer by a calibrated score threshold;
+  ``PhaseAwarePress``'s budget by score across KV heads, layers, or both;  how a compressed layer
+  is stored (dense, or ragged when its KV heads keep different numbers) in storage.py;
 - :class:`PerLayerWindowedPress` (per_layer.py): a ratio per layer for any of them;
 - :class:`WindowedDecodingPress` (decoding.py): any of them while generating too.
 
 The studies' ablations are in ``ablations/``: :class:`StaggeredWindowPress` (fixed per-window budgets on moving
-grids), exported here and as ``kvpress_phase.StaggeredWindowPress``.
+grids), exported here and as ``kvpress_phase.StaggeredWindowPress``, and :class:`ThresholdBudgetPress` (retired: a
+budget decided layer by layer by a calibrated threshold).
 
 What they share (parameters, the compress step's frame) is in base.py; token choice by score in choice.py; scorers
 beyond kvpress's in scorers.py; what a press records (``press.stats``, :func:`cache_summary`) in stats.py; the
@@ -19,7 +20,7 @@ ragged (:mod:`kvpress_phase.ragged`) or dense in storage.py.
 
 from kvpress_phase.presses.ablations import StaggeredWindowPress
 from kvpress_phase.presses.base import WindowedPress
-from kvpress_phase.presses.budget import GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress, ThresholdBudgetPress
+from kvpress_phase.presses.budget import GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress
 from kvpress_phase.presses.chunked_stride_press import ChunkedStridePress
 from kvpress_phase.presses.decoding import WindowedDecodingPress
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
@@ -31,4 +32,4 @@ patch_attention_functions()
 
 __all__ = ["ChunkedStridePress", "PhaseAwarePress", "PerLayerWindowedPress", "WindowedDecodingPress", "WindowedPress",
            "LayerStats", "CacheSummary", "cache_summary", "HeadBudgetPress", "LayerBudgetPress", "GlobalBudgetPress",
-           "ThresholdBudgetPress", "StaggeredWindowPress"]
+           "StaggeredWindowPress"]

@@ -12,9 +12,10 @@ KV heads of a layer sharing one choice. A wrapper keeps the same total but spend
   tokens: the entries saved free memory);
 - :class:`GlobalBudgetPress`: across layers and KV heads together (KVzip's shape; stored ragged like the per-head
   one);
-- :class:`ThresholdBudgetPress`: the same budget over layers and KV heads decided layer by layer, by a score
-  threshold calibrated once per scorer (as kvpress's ``DMSPress`` uses KVzap's scores; the number kept follows the
-  text, not the budget).
+
+(``ThresholdBudgetPress``, the same budget decided layer by layer by a calibrated score threshold, is retired to the
+studies' ablations, :mod:`kvpress_phase.presses.ablations`: once the global budget is spent during the prefill it
+has no measured advantage left, and it keeps more than its budget.)
 
 A wrapper pulls what it needs from the press it wraps, as ``AdaKVPress`` pulls ``press.score``: the scores
 (:meth:`~kvpress_phase.presses.base.WindowedPress.score`) and the layout, from which it decides how many window tokens
@@ -63,7 +64,6 @@ from transformers import QuantizedCache
 
 from kvpress_phase.presses.base import _check_positions, _compress_after_prefill
 from kvpress_phase.presses.choice import RunningTopB, floor_keyed, spread_budget
-from kvpress_phase.presses.learned_scorer import LocalKVzapPress, ScoreQuantiles
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
 from kvpress_phase.presses.stats import LayerStats
 from kvpress_phase.presses.storage import kept_positions, ragged_storage, store_layer
@@ -358,67 +358,6 @@ class GlobalBudgetPress(BudgetPress):
     per_head: ClassVar[bool] = True
 
 
-@dataclass
-class ThresholdBudgetPress(BudgetPress):
-    """The budget over the model decided layer by layer: every KV head of every layer keeps the window tokens whose
-    score exceeds one threshold, compressed as soon as its layer is computed (the prefill never holds the whole
-    uncompressed cache, as a budget across layers does), each head at its own length (stored ragged, as
-    :class:`GlobalBudgetPress`).
-
-    The threshold is the score that the press's share of window tokens kept (``k / window``) exceeds on the
-    scorer's calibration text (:class:`~kvpress_phase.presses.learned_scorer.ScoreQuantiles`, the
-    ``thresholds.json`` that ``kvpress-phase calibrate-scorer`` writes beside the scorer): on text like it, the
-    model keeps about the budget that :class:`GlobalBudgetPress` spends exactly, and the same entries where the
-    scores rank alike; on other text the share kept follows the scores (the press's ``stats`` record it). This is
-    how kvpress's ``DMSPress`` uses KVzap's scores, applied to :class:`~kvpress_phase.PhaseAwarePress`'s windows.
-    It needs scores on one scale for every layer: the learned ``scorer="kvzap"``.
-
-    Parameters
-    ----------
-    threshold : float, optional
-        The score threshold itself; by default it is read from the scorer's calibration (``scorer="kvzap"``).
-    floor : float, default 0.0
-        Every KV head keeps at least its ``floor`` share of the even budget (its best tokens).
-    """
-
-    threshold: Optional[float] = None
-    _quantiles: object = field(default=None, init=False, repr=False, compare=False)
-
-    per_head: ClassVar[bool] = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.threshold is not None:
-            if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
-                    or not math.isfinite(self.threshold):
-                raise ValueError(f"threshold must be a finite number or None, got {self.threshold!r}")
-        elif not isinstance(self.press.scorer, LocalKVzapPress):
-            raise ValueError("ThresholdBudgetPress without threshold= reads the learned scorer's calibration: the "
-                             "press needs scorer='kvzap' (PhaseAwarePress(ratio, scorer='kvzap')), got "
-                             f"{type(self.press.scorer).__name__}; or give threshold=")
-
-    def post_init_from_model(self, model):
-        super().post_init_from_model(model)
-        if self.threshold is None:
-            self._quantiles = ScoreQuantiles.load(self.press.scorer.kvzap_model_name)
-
-    def layer_threshold(self, layout: WindowLayout) -> float:
-        """The threshold for a layer laid out as ``layout``: :attr:`threshold`, or the calibrated score that the
-        share ``k / window`` of the calibration scores exceeds."""
-        if self.threshold is not None:
-            return float(self.threshold)
-        if self._quantiles is None:
-            raise ValueError("ThresholdBudgetPress reads its scorer's calibration in post_init_from_model(model): use "
-                             "the press as a context manager (`with press(model): ...`) or through kvpress's pipeline")
-        return self._quantiles.threshold(layout.k / layout.window)
-
-    def head_counts(self, scores: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-        """Each KV head's window tokens scoring above the threshold (at least its floor): ``(batch, heads)``."""
-        win = scores.float().gather(2, layout.window_positions().flatten(2))  # (batch, heads, window tokens)
-        counts = (win > self.layer_threshold(layout)).sum(dim=-1)
-        return counts.clamp(min=min(int(self.floor * layout.n_windows * layout.k), win.shape[-1]))
-
-
 class _StreamedLayer:
     """What the running budget keeps of one layer while the prefill runs: where its window tokens are, and which of
     its entries are kept (``keep``) and stored (``stored``, kept plus those evicted but not yet compacted), each a
@@ -502,5 +441,5 @@ def budget_of(press) -> str:
     return type(press).__name__ if isinstance(press, BudgetPress) else ""
 
 
-__all__ = ["BudgetPress", "HeadBudgetPress", "LayerBudgetPress", "GlobalBudgetPress", "ThresholdBudgetPress",
+__all__ = ["BudgetPress", "HeadBudgetPress", "LayerBudgetPress", "GlobalBudgetPress",
            "budget_of"]

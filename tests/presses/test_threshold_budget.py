@@ -12,7 +12,8 @@ from kvpress import KeyDiffPress
 from transformers import DynamicCache, pipeline
 
 from tiny_models import assert_replay_matches_pipeline, tiny_model, tiny_scorer
-from kvpress_phase import HeadBudgetPress, PhaseAwarePress, ThresholdBudgetPress, cache_summary
+from kvpress_phase import HeadBudgetPress, PhaseAwarePress, cache_summary
+from kvpress_phase.presses.ablations import ThresholdBudgetPress
 from kvpress_phase.core.phase import WindowLayout
 from kvpress_phase.presses.learned_scorer import (SHIPPED, THRESHOLDS, CalibratedDMSPress, LocalKVzapPress,
                                                  ScoreQuantiles)

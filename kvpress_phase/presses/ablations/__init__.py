@@ -5,9 +5,14 @@ reach for (the package recommends :class:`~kvpress_phase.PhaseAwarePress`, alone
   grids staggered per head or layer, aligned to the scores or overlapping (``staggered_window`` in press specs;
   ``docs/results/builtin-models.md`` sections 3-4, ``docs/results/r1-real-test.md``).
 
-It is exported as ``kvpress_phase.StaggeredWindowPress`` as well.
+- :class:`ThresholdBudgetPress` (threshold_budget_press.py): a budget over layers and KV heads decided layer by layer
+  by a calibrated score threshold, retired once the global budget was spent during the prefill
+  (``threshold_budget`` in press specs; ``docs/results/threshold-budget.md``).
+
+``StaggeredWindowPress`` is exported as ``kvpress_phase.StaggeredWindowPress`` as well.
 """
 
 from kvpress_phase.presses.ablations.staggered_window_press import StaggeredWindowPress
+from kvpress_phase.presses.ablations.threshold_budget_press import ThresholdBudgetPress
 
-__all__ = ["StaggeredWindowPress"]
+__all__ = ["StaggeredWindowPress", "ThresholdBudgetPress"]
