@@ -197,7 +197,8 @@ def tiny_scorer(model, path, *, layers=None, favour=None) -> str:
     return str(path)
 
 
-def assert_replay_matches_pipeline(model, tokenizer, make_press, *, check=None, attention: str | None = None):
+def assert_replay_matches_pipeline(model, tokenizer, make_press, *, check=None, attention: str | None = None,
+                                   pipeline_attention: str | None = None):
     """Answer two ``niah_single`` rows (200 tokens, phases 1 and 6, 6 new tokens) both through the replay engine and
     through kvpress's pipeline, each with a fresh press from ``make_press()``, and assert that the answers agree.
     With ``attention``, the model is set back to that attention implementation after each pipeline call (a press
@@ -217,6 +218,8 @@ def assert_replay_matches_pipeline(model, tokenizer, make_press, *, check=None, 
         state = engine.prefill(encoded["context_ids"])
         replayed = engine.answer_many(state, [make_press()], encoded["questions_ids"][0], 6, batch_size=1)[0]
         press = make_press()
+        if pipeline_attention is not None:
+            model.set_attn_implementation(pipeline_attention)
         direct = pipe(row["context"], question=row["question"], answer_prefix=row["answer_prefix"], press=press,
                       max_new_tokens=6, cache=DynamicCache())["answer"]
         if attention is not None:

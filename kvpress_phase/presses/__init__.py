@@ -14,8 +14,8 @@ budget decided layer by layer by a calibrated threshold).
 
 What they share (parameters, the compress step's frame) is in base.py; token choice by score in choice.py; scorers
 beyond kvpress's in scorers.py; what a press records (``press.stats``, :func:`cache_summary`) in stats.py; the
-attention patch for caches whose layers differ in length in uneven_layers.py; the per-head budgets' layers stored
-ragged (:mod:`kvpress_phase.ragged`) or dense in storage.py.
+per-head budgets' layers stored ragged (:mod:`kvpress_phase.ragged`) or dense, and the attention a cache that plain
+SDPA cannot read is decoded with, in storage.py. Nothing is patched when the package is imported.
 """
 
 from kvpress_phase.presses.ablations import StaggeredWindowPress
@@ -26,9 +26,6 @@ from kvpress_phase.presses.decoding import WindowedDecodingPress
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
 from kvpress_phase.presses.stats import CacheSummary, LayerStats, cache_summary
-from kvpress_phase.presses.uneven_layers import patch_attention_functions
-
-patch_attention_functions()
 
 __all__ = ["ChunkedStridePress", "PhaseAwarePress", "PerLayerWindowedPress", "WindowedDecodingPress", "WindowedPress",
            "LayerStats", "CacheSummary", "cache_summary", "HeadBudgetPress", "LayerBudgetPress", "GlobalBudgetPress",

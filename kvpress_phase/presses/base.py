@@ -33,6 +33,7 @@ from kvpress_phase.core.phase import (WindowLayout, check_number, check_ratio, g
                                  ratio_mismatch, window_ratio)
 from kvpress_phase.presses.scorers import SCORERS, scorer_from_name, token_scores
 from kvpress_phase.presses.stats import LayerStats
+from kvpress_phase.presses.storage import decoding_attention
 from kvpress_phase.core.rope import rotary_inv_freq
 
 MODES = ("select", "pool")
@@ -150,13 +151,16 @@ class WindowedPress(BasePress):
         """kvpress's context manager (compression during the prefill), except with a scorer that needs the whole
         context (``scorer.needs_context``, e.g. :class:`~kvpress_phase.presses.scorers.KVzipScorer`): then the
         prefill runs uncompressed, the scorer scores the finished context, and every layer's cache is compressed
-        when the context manager exits, to the same exact length."""
-        if not getattr(self.scorer, "needs_context", False):
-            with BasePress.__call__(self, model):
-                yield
-            return
-        with _compress_after_prefill(self, model):
-            yield
+        when the context manager exits, to the same exact length. A cache that plain SDPA cannot decode afterwards
+        (layers of different lengths) has the model decode it with the package's attention while it is alive
+        (:func:`~kvpress_phase.presses.storage.decoding_attention`)."""
+        with decoding_attention(self, model):
+            if not getattr(self.scorer, "needs_context", False):
+                with BasePress.__call__(self, model):
+                    yield
+            else:
+                with _compress_after_prefill(self, model):
+                    yield
 
     def reset(self) -> None:
         """Kept for kvpress's ``PrefillDecodingPress``, which calls it whenever its context exits: what a press

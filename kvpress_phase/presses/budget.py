@@ -66,7 +66,7 @@ from kvpress_phase.presses.base import _check_positions, _compress_after_prefill
 from kvpress_phase.presses.choice import RunningTopB, floor_keyed, spread_budget
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
 from kvpress_phase.presses.stats import LayerStats
-from kvpress_phase.presses.storage import kept_positions, ragged_storage, store_layer
+from kvpress_phase.presses.storage import decoding_attention, kept_positions, store_layer
 from kvpress_phase.ragged import RaggedLayer
 
 EVICTED_SHARE = 0.05
@@ -146,7 +146,7 @@ class BudgetPress(BasePress):
         every layer is compressed, the same way, when the prefill has finished. The layers are written by
         :func:`~kvpress_phase.presses.storage.store_layer` (ragged where KV heads keep different numbers of entries),
         and a prefill that leaves ragged layers has the model decode them with the ragged attention
-        (:func:`~kvpress_phase.presses.storage.ragged_storage`)."""
+        (:func:`~kvpress_phase.presses.storage.decoding_attention`)."""
         self._stream = None
         if self.across_layers and self.press.compression_ratio > 0 and self.press.recent > 0:
             raise ValueError(f"{type(self).__name__} spends its budget while the prefill runs, layer by layer, and "
@@ -155,7 +155,7 @@ class BudgetPress(BasePress):
                              "HeadBudgetPress for a budget within each layer")
         self._storing = True
         try:
-            with ragged_storage(self, model) if self.per_head else contextlib.nullcontext():
+            with decoding_attention(self, model, stores_ragged=self.per_head):
                 if not getattr(self.press.scorer, "needs_context", False):
                     with BasePress.__call__(self, model):
                         yield

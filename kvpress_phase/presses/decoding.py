@@ -32,6 +32,7 @@ does.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -48,6 +49,7 @@ from kvpress_phase.presses.budget import budget_of
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
 from kvpress_phase.presses.scorers import SnapKVScorer, token_scores
 from kvpress_phase.presses.stats import LayerStats
+from kvpress_phase.presses.storage import decoding_attention
 
 
 @dataclass
@@ -122,6 +124,14 @@ class WindowedDecodingPress(PrefillDecodingPress):
         layer_idx = getattr(module, "layer_idx", 0)
         start(self, module, self.press.stats[layer_idx].layout, keys.shape[2], kwargs)  # None: not compressed
         return keys, values
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        """kvpress's ``PrefillDecodingPress`` context; a cache left with layers of different lengths (a
+        ``PerLayerWindowedPress`` inside) is decoded with the package's attention while it is alive
+        (:func:`~kvpress_phase.presses.storage.decoding_attention`)."""
+        with decoding_attention(self, model), PrefillDecodingPress.__call__(self, model):
+            yield
 
     def forward_hook(self, module: nn.Module, input, kwargs: dict, output):
         if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):

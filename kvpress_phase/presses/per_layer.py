@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -13,6 +14,7 @@ from torch import nn
 from kvpress_phase.core.phase import check_ratio
 from kvpress_phase.presses.base import WindowedPress
 from kvpress_phase.presses.budget import budget_of
+from kvpress_phase.presses.storage import decoding_attention
 
 
 @dataclass
@@ -104,6 +106,14 @@ class PerLayerWindowedPress(BasePress):
                 raise ValueError(f"compression_ratios has {len(ratios)} entries, but the model has {n_layers} layers")
             self.n_layers = n_layers
         self.press.post_init_from_model(model)
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        """kvpress's context manager; the cache it leaves has layers of different lengths, which the model then
+        decodes with the package's attention while the cache is alive
+        (:func:`~kvpress_phase.presses.storage.decoding_attention`)."""
+        with decoding_attention(self, model), BasePress.__call__(self, model):
+            yield
 
     def _with_ratio(self, layer_idx: int, call):
         original = self.press.compression_ratio

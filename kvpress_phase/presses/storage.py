@@ -9,12 +9,13 @@ through :func:`store_layer`, while the prefill runs:
 - otherwise a :class:`~kvpress_phase.ragged.RaggedLayer`: each KV head only its own entries, head-flattened, so the
   entries a head does not keep take no memory (no padding, no mask).
 
-Used as a context manager (``with press(model)``, which kvpress's pipeline does), such a press runs the prefill inside
-:func:`ragged_storage`: when the prefill has left a ragged layer in the cache, the model is switched to the attention
-registered as ``"kvpress_phase_ragged"`` (exactly SDPA for every layer that is not ragged) so that decoding reads the
-ragged layers, and switched back to the attention it had as soon as no cache with ragged layers is alive any more
-(kvpress's pipeline drops its cache when it returns), or at the next :func:`ragged_storage`. A prefill that leaves
-no ragged layer changes nothing.
+Used as a context manager (``with press(model)``, which kvpress's pipeline does), every press of this package runs
+the prefill inside :func:`decoding_attention`: when the prefill has left a cache that plain SDPA cannot decode (a
+ragged layer, dense layers of different lengths: :func:`needs_own_attention`), the model is switched to the attention
+registered as ``"kvpress_phase_ragged"`` (:mod:`kvpress_phase.ragged.attention`; exactly SDPA for every layer SDPA
+can read) so that decoding reads it, and switched back to the attention it had as soon as no such cache is alive any
+more (kvpress's pipeline drops its cache when it returns). A prefill that leaves an ordinary cache changes nothing,
+and nothing is patched when the package is imported: kvpress's own presses run as kvpress ships them.
 
 Left as kvpress leaves them: batches of more than one sequence and quantized caches (refused with a ``ValueError`` by
 the presses that store ragged), and kvpress's own per-head presses (``AdaKVPress``, ``KVzipPress``, ``DMSPress``),
@@ -32,7 +33,8 @@ from transformers.cache_utils import DynamicLayer
 
 from kvpress_phase.ragged import ATTENTION_NAME, RaggedCache, RaggedLayer
 
-__all__ = ["store_layer", "ragged_storage", "stored_masked", "kept_positions", "is_ragged", "DENSE_ATTENTIONS"]
+__all__ = ["store_layer", "decoding_attention", "stored_masked", "kept_positions", "is_ragged", "needs_own_attention",
+           "decode_ragged", "DENSE_ATTENTIONS"]
 
 DENSE_ATTENTIONS = ("sdpa", ATTENTION_NAME)
 """The model attentions the ragged one stands in for exactly (it is SDPA for layers that are not ragged)."""
@@ -100,26 +102,36 @@ def is_ragged(cache) -> bool:
     return isinstance(cache, RaggedCache) or any(isinstance(layer, RaggedLayer) for layer in getattr(cache, "layers", []))
 
 
+def needs_own_attention(cache, model) -> bool:
+    """Whether plain SDPA cannot decode ``cache`` as it is: it holds a ragged layer, or dense layers of different
+    lengths (transformers builds one mask for every layer)."""
+    if is_ragged(cache):
+        return True
+    lengths = {layer.keys.shape[-2] for layer in getattr(cache, "layers", [])
+               if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.numel()}
+    return len(lengths) > 1
+
+
 @contextlib.contextmanager
-def ragged_storage(press, model):
-    """Run the body (the prefill that ``press`` compresses, storing layers with :func:`store_layer`); if it leaves
-    ragged layers in the cache it used, have ``model`` decode them with the ragged attention for as long as that
-    cache is alive (module docstring). Refuses a model whose attention is not SDPA, and a cache that is ragged
-    already."""
+def decoding_attention(press, model, *, stores_ragged: bool = False):
+    """Run the body (the prefill that ``press`` compresses, storing layers with :func:`store_layer`); if it leaves a
+    cache that plain SDPA cannot decode (:func:`needs_own_attention`), have ``model`` decode with the package's
+    attention for as long as that cache is alive (module docstring). With ``stores_ragged`` (a press that gives KV
+    heads their own entries) a model whose attention is not SDPA is refused before the prefill, and so is a cache
+    that is ragged already; otherwise only when its cache turns out to need the switch."""
     name = type(press).__name__
-    current = getattr(model.config, "_attn_implementation", None)
-    if current not in DENSE_ATTENTIONS:
-        raise ValueError(
-            f"{name} stores each KV head at its own length and decodes with attn_implementation={ATTENTION_NAME!r}, "
-            f"which stands in for 'sdpa' only; the model uses {current!r}: load it with attn_implementation='sdpa'"
-        )
+    if getattr(model, "model", None) is None or not hasattr(_language_model(model), "layers"):
+        yield  # not a model kvpress can hook: the press refuses it when attached
+        return
+    if stores_ragged:
+        _check_attention(name, model)
     seen: dict = {}
 
     def record_cache(module, args, kwargs):
         cache = kwargs.get("past_key_values")
         if cache is None or "cache" in seen:
             return
-        if is_ragged(cache):
+        if stores_ragged and is_ragged(cache):
             raise ValueError(f"{name} compresses dense keys and stores them ragged itself: pass cache=None or a "
                              "DynamicCache, not a cache with ragged layers")
         seen["cache"] = weakref.ref(cache)
@@ -130,8 +142,19 @@ def ragged_storage(press, model):
     finally:
         hook.remove()
     cache = seen["cache"]() if "cache" in seen else None
-    if cache is not None and is_ragged(cache):
+    if cache is not None and needs_own_attention(cache, model):
+        _check_attention(name, model)
         decode_ragged(model, cache)
+
+
+def _check_attention(name: str, model) -> None:
+    current = getattr(model.config, "_attn_implementation", None)
+    if current not in DENSE_ATTENTIONS:
+        raise ValueError(
+            f"{name} leaves a cache that plain attention cannot read (KV heads or layers of different lengths) and "
+            f"decodes it with attn_implementation={ATTENTION_NAME!r}, which stands in for 'sdpa' only; the model "
+            f"uses {current!r}: load it with attn_implementation='sdpa'"
+        )
 
 
 def decode_ragged(model, cache) -> None:
@@ -203,3 +226,7 @@ def stored_masked(press, model):
     for module, hidden, keys, values, attentions, kwargs in inputs:
         layer = cache.layers[module.layer_idx]
         layer.keys, layer.values = press.compress(module, hidden, keys, values, attentions, kwargs)
+    masked = any(getattr(layer.self_attn, "masked_key_indices", None) is not None for layer in language_model.layers)
+    if masked or needs_own_attention(cache, model):  # the padding hidden exactly, not by kvpress's fake keys
+        _check_attention(type(press).__name__, model)
+        decode_ragged(model, cache)

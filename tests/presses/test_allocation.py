@@ -240,7 +240,7 @@ def test_replay_gives_the_pipeline_answers(spec):
 
 # ------------------------------------------------------------------------------------------------ the mask patch
 def test_align_mask_cuts_or_extends_visible_columns_only():
-    from kvpress_phase.presses.uneven_layers import align_mask
+    from kvpress_phase.ragged.attention import align_mask
 
     causal = torch.tensor([[0.0, 0.0, float("-inf")], [0.0, 0.0, 0.0]])[None, None]  # 1 context entry, 2 queries
     wider = torch.cat([torch.zeros(1, 1, 2, 3), causal], dim=-1)

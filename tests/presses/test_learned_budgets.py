@@ -157,4 +157,7 @@ def test_replay_gives_the_pipeline_answers_for_masking_and_learned_presses(make,
             masks = engine.masks(state, press)
             assert masks and replayed["cache_length"] < cache.layers[0].keys.shape[2]
 
-    assert_replay_matches_pipeline(model, word_tokenizer, lambda: make(path), check=check)
+    # kvpress's AdaKV masks with fake keys, found by a search that fails on this random model: the pipeline runs
+    # with the package's attention opted in, which hides masked entries exactly, as the replay does
+    assert_replay_matches_pipeline(model, word_tokenizer, lambda: make(path), check=check, attention="sdpa",
+                                   pipeline_attention="kvpress_phase_ragged")

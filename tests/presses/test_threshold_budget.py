@@ -205,7 +205,10 @@ def test_replay_gives_the_pipeline_answers_for_calibrated_presses(make, tmp_path
         assert 0.3 < cache_summary(press).achieved_ratio if isinstance(press, ThresholdBudgetPress) else \
             0.3 < press.compression_ratio < 0.9
 
-    assert_replay_matches_pipeline(model, word_tokenizer, lambda: make(path), check=check, attention="sdpa")
+    # kvpress's DMSPress masks with fake keys, found by a search that fails on this random model: the pipeline runs
+    # with the package's attention opted in, which hides masked entries exactly, as the replay does
+    assert_replay_matches_pipeline(model, word_tokenizer, lambda: make(path), check=check, attention="sdpa",
+                                   pipeline_attention="kvpress_phase_ragged")
 
 
 def test_the_dms_threshold_keeps_the_window_and_the_calibrated_share(tmp_path):
