@@ -199,7 +199,9 @@ def main(argv=None) -> int:
         command = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--tokens", str(args.tokens),
                    "--stride", str(args.stride), "--answer-tokens", str(args.answer_tokens), "--seed", str(args.seed),
                    "--threads", str(args.threads), "--press", spec, "--ratio", str(ratio)]
-        out = subprocess.run(command, capture_output=True, text=True)
+        # big allocations mapped and unmapped one by one: the peak follows the live tensors, not glibc's cached heap
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 * 1024), MALLOC_TRIM_THRESHOLD_=str(128 * 1024))
+        out = subprocess.run(command, capture_output=True, text=True, env=env)
         found = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or not found:
             tqdm.write(f"{spec} at {ratio:g} failed:\n{out.stderr[-2000:]}")

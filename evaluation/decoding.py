@@ -428,3 +428,31 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+@torch.inference_mode()
+def decode_ragged(model, cache, question_ids: torch.Tensor, context_length: int, max_new_tokens: int) -> list[int]:
+    """The greedy answer tokens over one cache with ragged layers (a per-head budget of ours, stored as kvpress's
+    pipeline stores it: :func:`kvpress_phase.presses.storage.store_layer`), decoded as the pipeline decodes it: one
+    forward of the question, then one per token, with the model on the package's attention for the call (its own
+    attention restored after). The cache grows in place and is left as it ends; the caller discards it."""
+    from kvpress_phase.ragged import ATTENTION_NAME
+
+    stop = stop_tokens(model)
+    device = model.device
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        positions = torch.arange(context_length, context_length + question_ids.shape[1], device=device)[None]
+        logits = model(input_ids=question_ids.to(device), past_key_values=cache, position_ids=positions,
+                       logits_to_keep=1).logits
+        tokens = [int(logits[0, -1].argmax())]
+        position = context_length + question_ids.shape[1]
+        while tokens[-1] not in stop and len(tokens) < max_new_tokens:
+            logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=cache,
+                           position_ids=torch.tensor([[position]], device=device)).logits
+            tokens.append(int(logits[0, -1].argmax()))
+            position += 1
+        return tokens
+    finally:
+        model.set_attn_implementation(previous)

@@ -276,10 +276,14 @@ class ReplayEngine:
         ``share_scores``: per press, whether its scores may be shared (:meth:`compressed_cache`; none when None).
         ``on_answer``: called with a press's index as soon as its answer is known (a progress bar's hook).
         Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
-        attends to), ``cache_bytes`` (what the cache stores through kvpress's pipeline, :func:`stored_bytes`),
+        attends to), ``cache_bytes`` (the bytes the cache holds after the prefill as kvpress's pipeline stores it,
+        measured: :func:`kvpress_phase.cache_bytes`; a per-head press of ours on its ragged cache, :func:`ragged_cache`,
+        which it is also decoded on, one answer at a time, unless ``needles`` asks for the attention diagnostic),
         ``masses`` (one per needle, or None).
         """
-        from .decoding import answer_text, cache_signature, decode_tokens
+        from kvpress_phase.ragged import cache_bytes
+
+        from .decoding import answer_text, cache_signature, decode_ragged, decode_tokens
         from .diagnostics import AttentionProbe, needle_mass
 
         out: list = [None] * len(presses)
@@ -288,7 +292,7 @@ class ReplayEngine:
         decoded = state.memo.setdefault(("decoded", *question_key, bool(needles)), {})
         draft_key = ("draft", *question_key)
         q_len = question_ids.shape[1]
-        built: dict = {}  # press index -> (cache, masks, fingerprint), until its answer is known
+        built: dict = {}  # press index -> (cache, masks, fingerprint, bytes stored), until its answer is known
         waiting: dict = {}  # cache signature -> press indices whose caches are to be decoded together
 
         def decode(members):
@@ -313,13 +317,13 @@ class ReplayEngine:
 
         def finish():
             for i in [i for i in built if built[i][2] in decoded]:  # every press whose answer is now known
-                cache, masks, fp = built.pop(i)
+                cache, masks, fp, nbytes = built.pop(i)
                 prediction, rows = decoded[fp]
                 masses = None
                 if needles:
                     masses = [needle_mass(rows, state, presses[i], cache, needle, q_len) for needle in needles]
                 out[i] = {"prediction": prediction, "cache_length": _attended_length(cache, masks),
-                          "cache_bytes": stored_bytes(cache, masks, ragged=stores_ragged(presses[i])),
+                          "cache_bytes": nbytes,
                           "masses": masses}
                 if on_answer is not None:
                     on_answer(i)
@@ -333,7 +337,17 @@ class ReplayEngine:
             cache = self.compressed_cache(state, presses[i], share_scores=bool(share_scores and share_scores[i]))
             masks = self.masks(state, presses[i])
             fp = (cache_fingerprint(state, cache), _mask_fingerprint(masks))
-            built[i] = (cache, masks, fp)
+            if stores_ragged(presses[i]) and masks and not needles:
+                # stored and decoded as kvpress's pipeline stores and decodes it: each KV head its own entries
+                stored = ragged_cache(cache, masks)
+                built[i] = (cache, masks, fp, cache_bytes(stored))
+                if fp not in decoded:
+                    tokens = decode_ragged(self.model, stored, question_ids, state.context_length, max_new_tokens)
+                    decoded[fp] = (answer_text(self.tokenizer, tokens), None)
+                del stored
+                finish()
+                continue
+            built[i] = (cache, masks, fp, cache_bytes(cache))
             signature = cache_signature(cache)
             if fp not in decoded and all(fp != built[j][2] for j in waiting.get(signature, [])):
                 waiting.setdefault(signature, []).append(i)
@@ -444,26 +458,28 @@ def _attended_length(cache, masks) -> float:
 
 
 def stores_ragged(press) -> bool:
-    """Whether ``press``, used through kvpress's pipeline, stores its masked layers ragged (our per-head budget
-    wrappers, :mod:`kvpress_phase.presses.ragged_store`) rather than masked (kvpress's per-head presses)."""
+    """Whether ``press``, used through kvpress's pipeline, stores layers whose KV heads keep different numbers of
+    entries ragged (our per-head budget wrappers, :mod:`kvpress_phase.presses.storage`) rather than masked (kvpress's
+    per-head presses)."""
     return bool(getattr(press, "per_head", False))
 
 
-def stored_bytes(cache, masks, *, ragged: bool) -> int:
-    """Bytes of keys and values ``cache`` holds as the press stores it through kvpress's pipeline after the prefill:
-    masked entries are stored (kvpress's per-head presses keep them), except with ``ragged``, where a layer with
-    masked entries holds only its kept ones and its index (two int32 per KV head, :class:`~kvpress_phase.ragged.
-    RaggedLayer`; no decoding slack). The replay itself decodes with the masks, whatever the storage."""
-    total = 0
-    for idx, layer in enumerate(cache.layers):
-        batch, heads, n = layer.keys.shape[:3]
-        per_entry = layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1] * layer.values.element_size()
-        entries = batch * heads * n
-        if ragged and masks and idx in masks:
-            entries -= int(masks[idx][0].numel())
-            total += 2 * 4 * batch * heads
-        total += entries * per_entry
-    return total
+def ragged_cache(cache, masks):
+    """``cache`` (a replayed compressed cache) as kvpress's pipeline stores it for a press that :func:`stores_ragged`:
+    every layer with masked entries written by :func:`kvpress_phase.presses.storage.store_layer` (each KV head only its
+    own entries), the other layers shared with ``cache``. The one storage path of the pipeline and the replay."""
+    from transformers import DynamicCache
+
+    from kvpress_phase.presses.storage import store_layer
+
+    out = DynamicCache()
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    for idx, (heads, seqs) in (masks or {}).items():
+        layer = cache.layers[idx]
+        keep = torch.ones(layer.keys.shape[1], layer.keys.shape[2], dtype=torch.bool, device=layer.keys.device)
+        keep[heads.to(keep.device), seqs.to(keep.device)] = False
+        store_layer(out, idx, layer.keys, layer.values, keep, seq_length=layer.keys.shape[2])
+    return out
 
 
 def _press_sort_key(press) -> tuple:
