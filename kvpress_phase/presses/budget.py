@@ -49,21 +49,19 @@ in one place, :mod:`kvpress_phase.presses.storage`.
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Union
 
 import torch
-from kvpress import BasePress
-from torch import nn
-
-from kvpress_phase.core.phase import WindowLayout, check_number
+from kvpress import BasePress, ScorerPress
 from kvpress.presses.base_press import is_prefilling
+from torch import nn
 from transformers import QuantizedCache
 
-from kvpress_phase.presses.base import _check_positions, _compress_after_prefill
-from kvpress_phase.presses.choice import RunningTopB, floor_keyed, spread_budget
+from kvpress_phase.core.phase import WindowLayout, check_number
+from kvpress_phase.presses.base import WindowedPress, _check_positions, _compress_after_prefill
+from kvpress_phase.presses.choice import RunningTopB, floor_keyed, raw_tokens
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
 from kvpress_phase.presses.stats import LayerStats
 from kvpress_phase.presses.storage import decoding_attention, kept_positions, store_layer
@@ -75,41 +73,69 @@ freed are held below this share of the entries stored: past it, the layers holdi
 
 
 @dataclass
+class Candidates:
+    """Where a wrapper spends a layer's budget: the tokens that compete and what each row keeps on average.
+
+    ``positions`` (``(heads, n)`` long) are the competing tokens of each KV head, in position order: the window tokens
+    of a ``PhaseAwarePress`` (its sink, local and leftover tokens are kept outside the competition), or every token
+    for a kvpress ``ScorerPress``; ``budget`` is what each row keeps of them when every row keeps the same
+    (``n_windows * k``, or kvpress's ``int(n * (1 - compression_ratio))``); ``layout`` the press's window layout
+    (None for a press without windows)."""
+
+    positions: torch.Tensor
+    budget: int
+    layout: Optional[WindowLayout]
+
+
+@dataclass
 class BudgetPress(BasePress):
     """Common frame of the budget wrappers (see the module docstring); not used directly.
 
     Parameters
     ----------
-    press : PhaseAwarePress
-        The press whose raw-token budget is spread (``residual="drop"``); its ratio, stride, scorer and protection
-        are used as they are.
+    press : PhaseAwarePress or kvpress.ScorerPress
+        The press whose budget is spread: a ``PhaseAwarePress`` (``residual="drop"``; its ratio, stride, scorer and
+        protected tokens are used as they are: its window tokens compete) or any kvpress ``ScorerPress``
+        (``KnormPress(0.5)``, ``SnapKVPress(0.5)``, ...: every token competes for ``int(n * (1 - ratio))`` entries
+        per row). The wrapper pulls the press's scores (``press.score``) and chooses the entries itself.
     floor : float, default 0.0
         Every unit (a layer, or a KV head) first keeps its ``floor`` share of the even budget, its best tokens; the
         rest goes by score. In ``[0, 1]``; ``HeadBudgetPress(press, floor=1.0)`` is each head's own even budget.
     """
 
-    press: PhaseAwarePress = None
+    press: Union[PhaseAwarePress, ScorerPress] = None
     floor: float = 0.0
     _plan: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _stream: object = field(default=None, init=False, repr=False, compare=False)
     _storing: bool = field(default=False, init=False, repr=False, compare=False)
+    _stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     across_layers: ClassVar[bool] = False
-    """Whether the budget is spread across layers (compressing after the prefill)."""
+    """Whether the budget is spread across layers (one budget for the whole model)."""
     per_head: ClassVar[bool] = False
-    """Whether each KV head chooses its own tokens (the shorter heads' padding is stored ragged, or masked)."""
+    """Whether each KV head chooses its own tokens (stored ragged through the pipeline, masked when called directly)."""
 
     def __post_init__(self):
         name = type(self).__name__
-        if not isinstance(self.press, PhaseAwarePress):
-            raise ValueError(f"{name} spreads a PhaseAwarePress's budget: press must be a PhaseAwarePress, got "
-                             f"{type(self.press).__name__}")
-        if self.press.residual != "drop":
-            raise ValueError(f"{name} spreads a raw-token budget by score, which needs the press's residual='drop' "
-                             f"(got residual={self.press.residual!r})")
+        if isinstance(self.press, WindowedPress):
+            if not isinstance(self.press, PhaseAwarePress):
+                raise ValueError(f"{name} spreads a budget by score over a row: press must be a PhaseAwarePress or a "
+                                 f"kvpress ScorerPress, got {type(self.press).__name__}, whose budget is fixed per "
+                                 "window")
+            if self.press.residual != "drop":
+                raise ValueError(f"{name} spreads a raw-token budget by score, which needs the press's "
+                                 f"residual='drop' (got residual={self.press.residual!r})")
+        elif not isinstance(self.press, ScorerPress):
+            raise ValueError(f"{name} pulls scores from the press it wraps: press must be a PhaseAwarePress or a kvpress "
+                             f"ScorerPress (KnormPress, SnapKVPress, ...), got {type(self.press).__name__}")
         check_number("floor", self.floor, 0, 1, integer=False)
 
     # ------------------------------------------------------------------ what the press's users read
+    @property
+    def windowed(self) -> bool:
+        """Whether the wrapped press has windows (a ``PhaseAwarePress``), rather than being a kvpress scorer."""
+        return isinstance(self.press, WindowedPress)
+
     @property
     def compression_ratio(self) -> float:
         return self.press.compression_ratio
@@ -120,16 +146,13 @@ class BudgetPress(BasePress):
 
     @property
     def scorer(self):
-        return self.press.scorer
+        return self.press.scorer if self.windowed else self.press
 
     @property
     def stats(self) -> dict:
-        """The wrapped press's per-layer record (:class:`~kvpress_phase.presses.stats.LayerStats`)."""
-        return self.press.stats
-
-    @property
-    def needs_scores(self) -> bool:
-        return self.press.needs_scores
+        """What the wrapper did to each layer (:class:`~kvpress_phase.presses.stats.LayerStats`), in the wrapped
+        press's ``stats`` when it keeps one (a ``PhaseAwarePress``)."""
+        return self.press.stats if self.windowed else self._stats
 
     @property
     def plans_across_layers(self) -> bool:
@@ -139,6 +162,58 @@ class BudgetPress(BasePress):
     def post_init_from_model(self, model):
         self.press.post_init_from_model(model)
 
+    # ------------------------------------------------------------------ pulled from the press
+    def candidates(self, module: nn.Module, keys: torch.Tensor) -> Candidates:
+        """The tokens of this layer that compete for its budget (:class:`Candidates`)."""
+        heads, n = keys.shape[1], keys.shape[2]
+        if self.windowed:
+            layout = self.press.layout_for(module, keys)
+            return Candidates(layout.window_positions()[0].flatten(1), layout.n_windows * layout.k, layout)
+        positions = torch.arange(n, device=keys.device).expand(heads, n)
+        return Candidates(positions, int(n * (1 - self.press.compression_ratio)), None)
+
+    def scores(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        """The press's scores of the layer, ``(batch, kv_heads, n)`` float32 (``press.score``, as kvpress's
+        ``AdaKVPress`` pulls them)."""
+        return self.press.score(module, hidden_states, keys, values, attentions, kwargs).float()
+
+    def keyed(self, scores: torch.Tensor, cand: Candidates) -> torch.Tensor:
+        """One batch row's competing tokens as ranked: ``(rows, T)``, a row per KV head (per-head budgets) or one
+        for the layer (the heads' mean), each row's floor raised to ``+inf`` (:func:`floor_keyed`)."""
+        win = scores.gather(1, cand.positions)
+        return floor_keyed(win if self.per_head else win.mean(dim=0, keepdim=True), cand.budget, self.floor)
+
+    def _active(self, cand: Candidates) -> bool:
+        return self.press.compression_ratio > 0 and cand.positions.shape[1] > 0 and \
+            (cand.layout is None or cand.layout.n_windows > 0)
+
+    # ------------------------------------------------------------------ the budget within a layer
+    def row_counts(self, scores: torch.Tensor, cand: Candidates) -> torch.Tensor:
+        """One batch row's counts within the layer: ``(rows,)`` entries each row keeps of its competing tokens, the
+        layer's ``rows * budget`` spread by score (``spread_budget``)."""
+        top = RunningTopB(self.keyed(scores, cand).shape[0] * cand.budget)
+        top.add(0, self.keyed(scores, cand))
+        return top.alive(0).sum(dim=-1)
+
+    def keep_of(self, scores: torch.Tensor, cand: Candidates, counts: torch.Tensor) -> torch.Tensor:
+        """``(batch, heads, n)`` bool: the entries each batch row keeps given its rows' counts (``(batch, rows)``):
+        every token that does not compete, and each row's best ``counts`` competing tokens (a ``PhaseAwarePress``'s
+        own choice, :func:`~kvpress_phase.presses.choice.raw_tokens`, with its ``recent`` block)."""
+        batch, heads, n = scores.shape
+        if self.windowed:
+            n_raw = counts if self.per_head else int(counts.flatten()[0])
+            return raw_tokens(scores, cand.layout, n_raw, share_heads=not self.per_head, recent=self.press.recent)
+        out = []
+        for row_scores, row_counts in zip(scores, counts):
+            keyed = self.keyed(row_scores, cand)
+            order = keyed.argsort(dim=-1, descending=True, stable=True)
+            rank = torch.empty_like(order).scatter_(
+                -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order).contiguous())
+            chosen = (rank < row_counts[:, None]).expand(heads, -1)
+            out.append(torch.ones(heads, n, dtype=torch.bool, device=scores.device).scatter(1, cand.positions, chosen))
+        return torch.stack(out)
+
+    # ------------------------------------------------------------------ kvpress's context manager
     @contextlib.contextmanager
     def __call__(self, model):
         """kvpress's context manager. Every layer is compressed inside its own forward (:meth:`forward_hook`), a
@@ -148,7 +223,7 @@ class BudgetPress(BasePress):
         and a prefill that leaves ragged layers has the model decode them with the ragged attention
         (:func:`~kvpress_phase.presses.storage.decoding_attention`)."""
         self._stream = None
-        if self.across_layers and self.press.compression_ratio > 0 and self.press.recent > 0:
+        if self.across_layers and self.press.compression_ratio > 0 and getattr(self.press, "recent", 0) > 0:
             raise ValueError(f"{type(self).__name__} spends its budget while the prefill runs, layer by layer, and "
                              f"evicts what drops out of it, so it cannot keep a recent block sized by each row's final "
                              f"count: use PhaseAwarePress(recent=0) (got recent={self.press.recent:g}), or "
@@ -156,7 +231,7 @@ class BudgetPress(BasePress):
         self._storing = True
         try:
             with decoding_attention(self, model, stores_ragged=self.per_head):
-                if not getattr(self.press.scorer, "needs_context", False):
+                if not getattr(self.scorer, "needs_context", False):
                     with BasePress.__call__(self, model):
                         yield
                 else:
@@ -179,55 +254,77 @@ class BudgetPress(BasePress):
 
     def compress_cached(self, module, hidden_states, cache, attentions, kwargs) -> None:
         """Compress layer ``module.layer_idx`` of ``cache`` in place, and store it (module docstring): a budget
-        within the layer (:meth:`compress`), or the layer's share of the running budget across layers."""
+        within the layer, or the layer's share of the running budget across layers."""
         layer_idx = module.layer_idx
         if isinstance(cache, QuantizedCache):
             raise ValueError(f"{type(self).__name__} stores its layers itself (each KV head at its own length), which "
                              "a QuantizedCache does not support: use a DynamicCache")
         keys, values = cache.layers[layer_idx].keys, cache.layers[layer_idx].values
-        if self.per_head and keys.shape[0] != 1:
-            raise ValueError(f"{type(self).__name__} stores each KV head at its own length, one context at a time "
-                             f"(batch 1), got batch {keys.shape[0]}")
-        layout = self.press.layout_for(module, keys)
-        if self.across_layers and self.press.compression_ratio > 0 and layout.n_windows > 0:
-            self._stream_layer(module, hidden_states, cache, keys, values, attentions, kwargs, layout)
+        if keys.shape[0] != 1 and (self.per_head or self.across_layers):
+            raise ValueError(f"{type(self).__name__} stores each KV head at its own length and spends one budget per "
+                             f"context, one context at a time (batch 1), got batch {keys.shape[0]}")
+        self._validate(hidden_states, keys)
+        cand = self.candidates(module, keys)
+        if not self._active(cand):
+            self._record(module, keys, values, None, cand)
             return
-        keys, values = self.compress(module, hidden_states, keys, values, attentions, kwargs)
-        masked = getattr(module, "masked_key_indices", None)
-        if masked is None:
-            store_layer(cache, layer_idx, keys, values)
+        if self.across_layers:
+            self._stream_layer(module, hidden_states, cache, keys, values, attentions, kwargs, cand)
             return
-        keep = torch.ones(keys.shape[1], keys.shape[2], dtype=torch.bool, device=keys.device)
-        keep[masked[1], masked[2]] = False
-        module.masked_key_indices = None
-        if store_layer(cache, layer_idx, keys, values, keep, seq_length=keys.shape[2]) and layer_idx in self.stats:
-            self.stats[layer_idx].ragged = True
+        if keys.shape[0] != 1:  # a budget within the layer over a batch: every head keeps the same count
+            cache.layers[layer_idx].keys, cache.layers[layer_idx].values = self.compress(
+                module, hidden_states, keys, values, attentions, kwargs)
+            return
+        scores = self.scores(module, hidden_states, keys, values, attentions, kwargs)
+        keep = self.keep_of(scores, cand, self.row_counts(scores[0], cand)[None])[0]
+        ragged = store_layer(cache, layer_idx, keys, values, keep, seq_length=int(keep.sum(dim=-1).max()))
+        self._record(module, keys, values, keep[None], cand, ragged=ragged)
+
+    def _validate(self, hidden_states, keys) -> None:
+        if self.windowed:
+            self.press.validate()
+            _check_positions(self.press, hidden_states, keys.shape[2])
+
+    def _record(self, module, keys, values, keep, cand: Candidates, *, ragged: bool = False) -> None:
+        """``stats[layer]`` for a layer that keeps ``keep`` (``(batch, heads, n)`` bool; None: every entry)."""
+        self._record_shape(module, tuple(keys.shape[:3]),
+                           keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size(),
+                           keep, cand, ragged=ragged)
+
+    def _record_shape(self, module, shape: tuple, entry_bytes: int, keep, cand: Candidates, *,
+                      ragged: bool = False) -> None:
+        batch, heads, n = shape
+        ratio = self.press.compression_ratio
+        window_ratio = self.press.window_ratio if self.windowed and ratio > 0 else (0.0 if self.windowed else None)
+        layer_idx = getattr(module, "layer_idx", 0)
+        if keep is None:
+            self.stats[layer_idx] = LayerStats(n, n, 0.0, cand.layout if ratio > 0 else None, None,
+                                               requested_ratio=ratio, window_ratio=window_ratio, batch=batch,
+                                               heads=heads, entry_bytes=entry_bytes)
+            return
+        positions, masked = kept_positions(keep.flatten(0, 1))
+        positions = positions.view(batch, heads, -1)
+        attended = keep.sum().item() / (batch * heads)
+        self.stats[layer_idx] = LayerStats(
+            n, positions.shape[-1], 1.0 - attended / n, cand.layout, positions.to(torch.int32),
+            (positions + 1).to(torch.int32), requested_ratio=ratio, window_ratio=window_ratio, masked=masked,
+            batch=batch, heads=heads, entry_bytes=entry_bytes, ragged=ragged and masked is not None,
+        )
 
     # ------------------------------------------------------------------ the running budget across layers
-    def _stream_layer(self, module, hidden_states, cache, keys, values, attentions, kwargs, layout) -> None:
-        press, layer_idx = self.press, module.layer_idx
-        press.validate()
-        _check_positions(press, hidden_states, keys.shape[2])
-        if keys.shape[0] != 1:
-            raise ValueError(f"{type(self).__name__} spends one budget over the layers of one context at a time "
-                             f"(batch 1), got batch {keys.shape[0]}")
+    def _stream_layer(self, module, hidden_states, cache, keys, values, attentions, kwargs, cand) -> None:
+        layer_idx = module.layer_idx
         stream = self._stream
+        rows = keys.shape[1] if self.per_head else 1
         if stream is None or layer_idx in stream.layers:  # a new prefill
             self._finish_stream()
             n_layers = len(_attention_layers(module, cache))
-            rows = keys.shape[1] if self.per_head else 1
-            stream = self._stream = _Stream(RunningTopB(n_layers * rows * layout.n_windows * layout.k), cache,
-                                            n_layers)
-        scores = press.score(module, hidden_states, keys, values, attentions, kwargs)
-        win_pos = layout.window_positions()[0].flatten(1)  # (heads, window tokens)
-        win = scores.float()[0].gather(1, win_pos)
-        unit = win if self.per_head else win.mean(dim=0, keepdim=True)
-        budget = layout.n_windows * layout.k
-        lost = stream.top.add(layer_idx, floor_keyed(unit, budget, self.floor))
-        stream.layers[layer_idx] = _StreamedLayer(module, layout, win_pos, keys.shape, budget,
-                                                  keys.shape[-1] * keys.element_size()
-                                                  + values.shape[-1] * values.element_size())
-        record = stream.layers[layer_idx]
+            stream = self._stream = _Stream(RunningTopB(n_layers * rows * cand.budget), cache, n_layers)
+        scores = self.scores(module, hidden_states, keys, values, attentions, kwargs)[0]
+        lost = stream.top.add(layer_idx, self.keyed(scores, cand))
+        record = stream.layers[layer_idx] = _StreamedLayer(module, cand, keys.shape, rows,
+                                                           keys.shape[-1] * keys.element_size()
+                                                           + values.shape[-1] * values.element_size())
         record.keep = record.keep_of(stream.top.alive(layer_idx))
         store_layer(cache, layer_idx, keys, values, record.keep, seq_length=keys.shape[2])
         record.stored, record.n_stored = record.keep, int(record.keep.sum())
@@ -244,92 +341,94 @@ class BudgetPress(BasePress):
         if stream is None or stream.finished:
             return
         stream.finished = True
-        total = sum(r.rows(self.per_head) * r.budget for r in stream.layers.values())
-        for other in stream.top.finish(total):
-            stream.layers[other].keep = stream.layers[other].keep_of(stream.top.alive(other))
-        press = self.press
+        stream.top.finish(sum(r.rows * r.cand.budget for r in stream.layers.values()))
+        cache = stream.cache()
         for layer_idx, record in sorted(stream.layers.items()):
             stream.evict(layer_idx, compact=True)
-            positions, masked = kept_positions(record.stored)
-            longest = positions.shape[-1]
-            layer = stream.cache().layers[layer_idx] if stream.cache() is not None else None
+            layer = cache.layers[layer_idx] if cache is not None else None
+            longest = int(record.stored.sum(dim=-1).max())
             if layer is not None and hasattr(layer, "base_length"):
                 layer.base_length, layer.appended = longest, 0  # the masked cache's length, as the replay keeps it
-            batch, heads, seq_len, _ = record.shape
-            attended = record.stored.sum().item() / heads
-            press.stats[layer_idx] = LayerStats(
-                seq_len, longest, 1.0 - attended / seq_len, record.layout, positions.to(torch.int32),
-                (positions + 1).to(torch.int32), requested_ratio=press.compression_ratio,
-                window_ratio=press.window_ratio, masked=masked, batch=batch, heads=heads,
-                entry_bytes=record.entry_bytes, ragged=masked is not None,
-            )
+            self._record_shape(record.module, record.shape[:3], record.entry_bytes, record.stored[None], record.cand,
+                               ragged=isinstance(layer, RaggedLayer))
 
-    # ------------------------------------------------------------------ the budget
+    # ------------------------------------------------------------------ called directly (the evaluation's replay)
     def plan(self, layers) -> None:
-        """Score every layer once and decide its raw-token counts from every layer's scores (budgets across layers),
-        before any layer is compressed: for a caller that holds every layer's prefill inputs and calls
-        :meth:`compress` per layer after it (the evaluation's replay). Through kvpress's pipeline the same choice is
-        made while the prefill runs, without holding them (:meth:`compress_cached`). ``layers`` yields ``(module, hidden_states, keys, values, attentions,
-        kwargs)`` per layer, what :meth:`compress` receives.
+        """Decide every layer's counts from every layer's scores (budgets across layers) before any layer is
+        compressed: for a caller that holds every layer's prefill inputs and calls :meth:`compress` per layer after
+        it (the evaluation's replay). Through kvpress's pipeline the same choice is made while the prefill runs,
+        without holding them (:meth:`compress_cached`). ``layers`` yields ``(module, hidden_states, keys, values,
+        attentions, kwargs)`` per layer, what :meth:`compress` receives.
 
-        Each layer's scores (``(1, kv_heads, seq_len)`` float32, small next to the layer's keys and values) are held
-        with its counts until the next :meth:`compress` of that layer, which compresses with them instead of
-        scoring again and releases them; whatever a previous prefill left unused is released when the next plan
-        starts."""
+        Each layer's scores (``(kv_heads, seq_len)`` float32, small next to the layer's keys and values) are held with
+        its counts until the next :meth:`compress` of that layer, which releases them; whatever a previous prefill
+        left unused is released when the next plan starts."""
         self._plan = {}
         if not self.plans_across_layers:
             return
-        units, budgets, owners = [], [], []
+        layers = list(layers)
+        top, owners = None, []
         for module, hidden_states, keys, values, attentions, kwargs in layers:
             if keys.shape[0] != 1:
                 raise ValueError(f"{type(self).__name__} plans one context at a time (batch 1), got batch "
                                  f"{keys.shape[0]}")
-            layout = self.press.layout_for(module, keys)
-            if layout.n_windows == 0:
+            cand = self.candidates(module, keys)
+            if not self._active(cand):
                 continue
-            scores = self.press.score(module, hidden_states, keys, values, attentions, kwargs)
-            win = scores.float()[0].gather(1, layout.window_positions()[0].flatten(1))  # (heads, window tokens)
-            units.append(win if self.per_head else win.mean(dim=0, keepdim=True))
-            budgets.append(layout.n_windows * layout.k)
-            owners.append(((getattr(module, "layer_idx", 0), keys.shape[2]), scores))
-        for (owner, scores), counts in zip(owners, spread_budget(units, budgets, self.floor)):
-            self._plan[owner] = (scores, counts)
+            if top is None:
+                top = RunningTopB(len(layers) * (keys.shape[1] if self.per_head else 1) * cand.budget)
+            scores = self.scores(module, hidden_states, keys, values, attentions, kwargs)[0]
+            owner = (getattr(module, "layer_idx", 0), keys.shape[2])
+            top.add(owner, self.keyed(scores, cand))
+            owners.append((owner, scores, cand))
+        if top is None:
+            return
+        top.finish(sum(top.alive(o).shape[0] * c.budget for o, _, c in owners))
+        for owner, scores, cand in owners:
+            self._plan[owner] = (scores, top.alive(owner).sum(dim=-1))
 
-    def head_counts(self, scores: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-        """A layer's raw-token budget spread by score across its KV heads: the ``(batch, heads)`` counts."""
-        even = layout.n_windows * layout.k
-        win = scores.float().gather(2, layout.window_positions().flatten(2))  # (batch, heads, window tokens)
-        return torch.stack([spread_budget([row], [even], self.floor)[0] for row in win])
-
-    def planned(self, module: nn.Module, keys: torch.Tensor) -> tuple[torch.Tensor, Union[int, torch.Tensor]]:
+    def planned(self, module: nn.Module, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores and counts :meth:`plan` held for this layer (released from the plan)."""
         owner = (getattr(module, "layer_idx", 0), keys.shape[2])
         if owner not in self._plan:
             raise ValueError(
                 f"{type(self).__name__} spends its budget across layers, so it needs every layer's scores before "
                 "compressing any: use it on its own (pipeline(..., press=...) spends it while the prefill runs), or "
-                "call press.plan(...) with every layer's inputs first; inside ComposedPress, PerLayerWindowedPress or WindowedDecodingPress it cannot see the "
-                "other layers"
+                "call press.plan(...) with every layer's inputs first; inside ComposedPress, PerLayerWindowedPress "
+                "or WindowedDecodingPress it cannot see the other layers"
             )
         scores, counts = self._plan.pop(owner)
-        counts = counts.to(keys.device)
-        return scores.to(keys.device), (counts[None] if self.per_head else int(counts[0]))
+        return scores.to(keys.device), counts.to(keys.device)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        """Pull the press's scores (planned, or scored here), spend the budget on them, and have the press keep
-        the counts it is given (:meth:`PhaseAwarePress.compress_windows`)."""
-        press = self.press
-        press.validate()
-        _check_positions(press, hidden_states, keys.shape[2])
-        layout = press.layout_for(module, keys)
-        if press.compression_ratio == 0 or layout.n_windows == 0:  # nothing to spend: the press keeps the layer
-            return press.compress(module, hidden_states, keys, values, attentions, kwargs)
+        """kvpress's compress step, for callers that call it directly (the evaluation's replay, ``ComposedPress``):
+        the layer's entries as a dense ``(batch, heads, longest, dim)`` pair, each KV head its own entries, a shorter
+        head padded, the padding in kvpress's ``module.masked_key_indices`` (as kvpress's ``AdaKVPress`` masks)."""
+        self._validate(hidden_states, keys)
+        cand = self.candidates(module, keys)
+        if not self._active(cand):
+            self._record(module, keys, values, None, cand)
+            return keys, values
         if self.across_layers:
             scores, counts = self.planned(module, keys)
+            keep = self.keep_of(scores[None], cand, counts[None])
         else:
-            scores = press.score(module, hidden_states, keys, values, attentions, kwargs)
-            counts = self.head_counts(scores, layout)
-        return press.compress(module, hidden_states, keys, values, attentions, kwargs, scores=scores, counts=counts)
+            scores = self.scores(module, hidden_states, keys, values, attentions, kwargs)
+            keep = self.keep_of(scores, cand, torch.stack([self.row_counts(s, cand) for s in scores]))
+        counts = keep.sum(dim=-1)
+        longest = int(counts.max())
+        if keys.shape[0] > 1 and bool((counts != longest).any()):
+            raise ValueError(f"{type(self).__name__} gives KV heads their own numbers of entries, which a batch of "
+                             f"{keys.shape[0]} sequences cannot hold in one dense layer here: use batch 1")
+        idx = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :longest]
+        new_keys = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        new_values = values.gather(2, idx[..., None].expand(-1, -1, -1, values.shape[-1]))
+        self._record(module, keys, values, keep, cand)
+        masked = self.stats[getattr(module, "layer_idx", 0)].masked
+        if masked is not None:
+            heads, slots = masked
+            module.masked_key_indices = (torch.zeros_like(heads), heads, slots)
+        return new_keys, new_values
 
 
 @dataclass
@@ -363,21 +462,18 @@ class _StreamedLayer:
     its entries are kept (``keep``) and stored (``stored``, kept plus those evicted but not yet compacted), each a
     ``(heads, seq_len)`` bool."""
 
-    def __init__(self, module, layout, win_pos, shape, budget, entry_bytes):
-        self.module, self.layout, self.win_pos, self.shape = module, layout, win_pos, tuple(shape)
-        self.budget, self.entry_bytes = budget, entry_bytes
+    def __init__(self, module, cand: Candidates, shape, rows: int, entry_bytes: int):
+        self.module, self.cand, self.shape, self.rows = module, cand, tuple(shape), rows
+        self.entry_bytes = entry_bytes
         self.keep = self.stored = None
         self.n_stored = self.evicted = 0  # entries stored; of them, evicted and not yet freed
 
-    def rows(self, per_head: bool) -> int:
-        return self.shape[1] if per_head else 1
-
     def keep_of(self, alive: torch.Tensor) -> torch.Tensor:
-        """``(heads, seq_len)``: every token outside the windows (protected), and the window tokens ``alive``
-        (``(rows, window tokens)``, one row shared by every head when the heads share their tokens)."""
+        """``(heads, seq_len)``: every token that does not compete (a ``PhaseAwarePress``'s protected ones), and the
+        competing tokens ``alive`` (``(rows, T)``, one row shared by every head when the heads share their tokens)."""
         heads, seq_len = self.shape[1], self.shape[2]
         keep = torch.ones(heads, seq_len, dtype=torch.bool, device=alive.device)
-        return keep.scatter(1, self.win_pos, alive.expand(heads, -1))
+        return keep.scatter(1, self.cand.positions, alive.expand(heads, -1))
 
 
 class _Stream:

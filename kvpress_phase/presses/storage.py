@@ -37,10 +37,11 @@ __all__ = ["store_layer", "decoding_attention", "stored_masked", "kept_positions
            "decode_ragged", "DENSE_ATTENTIONS"]
 
 DENSE_ATTENTIONS = ("sdpa", ATTENTION_NAME)
-"""The model attentions the ragged one stands in for exactly (it is SDPA for layers that are not ragged)."""
+"""The model attentions the package's one stands in for exactly (it is SDPA wherever SDPA can read the cache)."""
 
 _LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-"""model -> (the attention it had, the caches with ragged layers still alive that it decodes)."""
+"""model -> ``{"previous": the attention it had, "caches": ids of the caches still alive that it decodes with the
+package's attention}``."""
 
 
 def store_layer(cache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,

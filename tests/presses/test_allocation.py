@@ -10,7 +10,7 @@ from kvpress import ComposedPress, KnormPress
 from transformers import DynamicCache, pipeline
 
 from tiny_models import tiny_model
-from kvpress_phase import (GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress, PerLayerWindowedPress,
+from kvpress_phase import (ChunkedStridePress, GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress, PerLayerWindowedPress,
                            PhaseAwarePress, WindowedDecodingPress)
 from kvpress_phase.evaluation.presses import build_press, parse_press_spec
 from kvpress_phase.ragged import ATTENTION_NAME, RaggedLayer
@@ -62,7 +62,8 @@ def test_phase_aware_press_has_at_most_12_init_fields():
 @pytest.mark.parametrize("make, match", [
     (lambda: LayerBudgetPress(PhaseAwarePress(0.5, residual="pool")), "residual='drop'"),
     (lambda: HeadBudgetPress(PhaseAwarePress(0.5), floor=-0.1), "floor"),
-    (lambda: GlobalBudgetPress(KnormPress(0.5)), "must be a PhaseAwarePress"),
+    (lambda: GlobalBudgetPress(ChunkedStridePress(0.5)), "fixed per window"),
+    (lambda: GlobalBudgetPress(ComposedPress([KnormPress(0.5)])), "must be a PhaseAwarePress or a kvpress ScorerPress"),
 ])
 def test_invalid_budgets_are_refused(make, match):
     with pytest.raises(ValueError, match=match):

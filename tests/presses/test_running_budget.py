@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, QuantizedCache
+from kvpress import ExpectedAttentionPress, KeyDiffPress, KnormPress, SnapKVPress
+from transformers import DynamicCache, QuantizedCache, pipeline
 
-from kvpress_phase import GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress, PhaseAwarePress, load_builtin_model
+from kvpress_phase import (GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress, PhaseAwarePress, cache_summary,
+                           load_builtin_model)
 from kvpress_phase.evaluation.tasks import generate
 from kvpress_phase.presses.choice import RunningTopB, floor_keyed, spread_budget
 from kvpress_phase.ragged import RaggedLayer
@@ -202,3 +204,34 @@ def test_the_streamed_budget_is_exactly_todays_choice_on_qwen():
                            seed=seed)[0]
         ids = tokenizer(example["context"], return_tensors="pt").input_ids
         assert_same_choice(model, lambda: GlobalBudgetPress(PhaseAwarePress(ratio, scorer="kvzap")), ids)
+
+
+# ------------------------------------------------------------------------------------------------ any kvpress scorer
+KVPRESS_CASES = [
+    (GlobalBudgetPress, lambda: KnormPress(0.5)),
+    (GlobalBudgetPress, lambda: KeyDiffPress(0.75)),
+    (LayerBudgetPress, lambda: SnapKVPress(0.5)),
+    (HeadBudgetPress, lambda: KnormPress(0.75)),
+    (HeadBudgetPress, lambda: ExpectedAttentionPress(0.5)),
+]
+
+
+@pytest.mark.parametrize("wrapper, inner", KVPRESS_CASES)
+def test_wrappers_take_any_kvpress_scorer(builtin, wrapper, inner):
+    """A wrapper pulls a kvpress ScorerPress's scores and spends kvpress's own budget, int(n * (1 - ratio)) entries
+    per row, over its heads or layers: exactly the entries, the same choice streamed through the pipeline as planned
+    over every layer at once, and an answer."""
+    model, tokenizer = builtin
+    example = generate("niah_single", tokenizer, n_samples=1, context_length=512, stride=8, phases=[2])[0]
+    ids = tokenizer(example["context"], return_tensors="pt").input_ids
+    press, cache = assert_same_choice(model, lambda: wrapper(inner()), ids)
+    n = ids.shape[1]
+    heads, layers = model.config.num_key_value_heads, len(model.model.layers)
+    stored = sum(layer.entries if isinstance(layer, RaggedLayer) else layer.keys.shape[1] * layer.keys.shape[2]
+                 for layer in cache.layers)
+    assert stored == layers * heads * int(n * (1 - press.compression_ratio))
+    assert press.stats[0].layout is None and cache_summary(press).entries_stored == stored
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    answer = pipe(example["context"], question=example["question"], answer_prefix=example["answer_prefix"],
+                  press=wrapper(inner()), max_new_tokens=4)["answer"]
+    assert isinstance(answer, str) and answer

@@ -17,6 +17,7 @@ from kvpress_phase.presses.ablations import ThresholdBudgetPress
 from kvpress_phase.core.phase import WindowLayout
 from kvpress_phase.presses.learned_scorer import (SHIPPED, THRESHOLDS, CalibratedDMSPress, LocalKVzapPress,
                                                  ScoreQuantiles)
+from kvpress_phase.presses.budget import Candidates
 from kvpress_phase.ragged import RaggedLayer
 
 CONTEXT = " ".join(f"w{(7 * i) % 50}" for i in range(150))
@@ -84,11 +85,12 @@ def test_each_head_keeps_its_window_tokens_above_the_threshold_and_its_floor():
     scores[0, 2] -= 10  # one head scores below the threshold everywhere
     win = scores.gather(2, layout.window_positions().flatten(2))
     press = ThresholdBudgetPress(PhaseAwarePress(0.5), threshold=0.3)
-    assert press.head_counts(scores, layout).tolist() == [(win[0] > 0.3).sum(-1).tolist()]
-    assert press.head_counts(scores, layout)[0, 2] == 0
+    cand = Candidates(layout.window_positions()[0].flatten(1), layout.n_windows * layout.k, layout)
+    assert press.row_counts(scores[0], cand).tolist() == (win[0] > 0.3).sum(-1).tolist()
+    assert press.row_counts(scores[0], cand)[2] == 0
     floored = ThresholdBudgetPress(PhaseAwarePress(0.5), threshold=0.3, floor=0.5)
     even = layout.n_windows * layout.k
-    assert int(floored.head_counts(scores, layout)[0, 2]) == int(0.5 * even)
+    assert int(floored.row_counts(scores[0], cand)[2]) == int(0.5 * even)
 
 
 def test_no_threshold_with_every_head_floored_is_each_heads_own_even_budget(tokenizer):

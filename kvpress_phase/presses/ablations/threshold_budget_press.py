@@ -73,8 +73,9 @@ class ThresholdBudgetPress(BudgetPress):
                              "the press as a context manager (`with press(model): ...`) or through kvpress's pipeline")
         return self._quantiles.threshold(layout.k / layout.window)
 
-    def head_counts(self, scores: torch.Tensor, layout: WindowLayout) -> torch.Tensor:
-        """Each KV head's window tokens scoring above the threshold (at least its floor): ``(batch, heads)``."""
-        win = scores.float().gather(2, layout.window_positions().flatten(2))  # (batch, heads, window tokens)
-        counts = (win > self.layer_threshold(layout)).sum(dim=-1)
-        return counts.clamp(min=min(int(self.floor * layout.n_windows * layout.k), win.shape[-1]))
+    def row_counts(self, scores: torch.Tensor, cand) -> torch.Tensor:
+        """Each KV head's window tokens scoring above the threshold (at least its floor): ``(heads,)`` for one batch
+        row's ``(heads, n)`` scores."""
+        win = scores.float().gather(1, cand.positions)  # (heads, window tokens)
+        counts = (win > self.layer_threshold(cand.layout)).sum(dim=-1)
+        return counts.clamp(min=min(int(self.floor * cand.budget), win.shape[-1]))
