@@ -2,8 +2,7 @@
 
 Every press here is a kvpress ``BasePress`` whose :meth:`WindowedPress.compress` runs the same four steps:
 
-1. **score** the tokens with ``scorer`` (:meth:`WindowedPress.score`; skipped when the press needs no scores, or
-   when a wrapper that has scored the layer already passes its scores);
+1. **score** the tokens with ``scorer`` (:meth:`WindowedPress.score`; skipped when the press needs no scores);
 2. **lay out** the windows (:meth:`WindowedPress.layout_for`: where each row's grid starts, how many windows fit
    between the protected sink and local tokens; :class:`~kvpress_phase.core.phase.WindowLayout`);
 3. **choose or merge** (:meth:`WindowedPress.compress_windows`, the one method each press defines: which entries
@@ -181,13 +180,8 @@ class WindowedPress(BasePress):
         values: torch.Tensor,
         attentions: torch.Tensor,
         kwargs: dict,
-        *,
-        scores: Optional[torch.Tensor] = None,
-        **choice,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 1 to 4 of the module docstring. kvpress passes the first six arguments; a wrapper that has scored
-        the layer already passes its ``scores`` (the scorer is then not run again), and the keyword arguments of
-        :meth:`compress_windows` it decides as ``choice`` (``PhaseAwarePress``'s ``counts``)."""
+        """Steps 1 to 4 of the module docstring, with kvpress's arguments."""
         self.validate()
         layer_idx = getattr(module, "layer_idx", 0)
         seq_len = keys.shape[2]
@@ -199,10 +193,8 @@ class WindowedPress(BasePress):
                                                window_ratio=0.0, **shape)
             return keys, values
 
-        given = scores  # a wrapper's scores of this layer: the scorer does not run again
-
         def score():
-            return self.score(module, hidden_states, keys, values, attentions, kwargs) if given is None else given
+            return self.score(module, hidden_states, keys, values, attentions, kwargs)
 
         scores = score() if self.needs_scores_for_grid else None                      # 1. score (for the grid)
         layout = self.layout_for(module, keys, scores)                                # 2. lay out
@@ -212,7 +204,7 @@ class WindowedPress(BasePress):
             return keys, values
         if scores is None and self.needs_scores:
             scores = score()                                                          # 1. score
-        out = self.compress_windows(module, keys, values, scores, layout, **choice)   # 3. choose or merge
+        out = self.compress_windows(module, keys, values, scores, layout)             # 3. choose or merge
         ends = out.ends if out.ends is not None else self.entry_ends(layout, out.positions)
         stored = out.keys.shape[2]  # layout.compressed_length unless the budget differs between layers or heads
         masked, attended = None, stored

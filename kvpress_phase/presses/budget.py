@@ -17,11 +17,12 @@ KV heads of a layer sharing one choice. A wrapper keeps the same total but spend
 studies' ablations, :mod:`kvpress_phase.presses.ablations`: once the global budget is spent during the prefill it
 has no measured advantage left, and it keeps more than its budget.)
 
-A wrapper pulls what it needs from the press it wraps, as ``AdaKVPress`` pulls ``press.score``: the scores
-(:meth:`~kvpress_phase.presses.base.WindowedPress.score`) and the layout, from which it decides how many window tokens
-each row keeps raw; it then hands the press the scores and those counts (``press.compress(..., scores=...,
-counts=...)``), whose choice (:meth:`~kvpress_phase.PhaseAwarePress.compress_windows`) is a function of them alone.
-The press holds no state of the wrapper's and calls nothing back; the scorer runs once per layer and prefill.
+A wrapper pulls what it needs from the press it wraps, as ``AdaKVPress`` pulls ``press.score``, and chooses the
+entries itself (:class:`~kvpress_phase.presses.choice.RunningTopB`): from a ``PhaseAwarePress``, its scores and
+window layout (its window tokens compete, its sink, local and leftover tokens are kept); from any kvpress
+``ScorerPress`` (``GlobalBudgetPress(KnormPress(0.5))``), its scores (every token competes for kvpress's own
+``int(n * (1 - ratio))`` entries per row). Nothing is pushed back into the wrapped press, and the scorer runs once
+per layer and prefill.
 
 A budget across layers is spent while the prefill runs, layer by layer, exactly: each layer is scored inside its own
 forward (its attention input and keys are there), and only its scores are kept. The layer's entries that are in the

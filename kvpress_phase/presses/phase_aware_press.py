@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
@@ -96,22 +96,12 @@ class PhaseAwarePress(WindowedPress):
         return self.residual == "pool" and self.rope != "none"
 
     def compress_windows(self, module: nn.Module, keys: torch.Tensor, values: torch.Tensor,
-                         scores: Optional[torch.Tensor], layout: WindowLayout,
-                         counts: Union[int, torch.Tensor, None] = None) -> Compressed:
-        """The row's best window tokens stay raw; the others are dropped or pooled.
-
-        ``counts`` is how many window tokens each row keeps raw, a function of nothing but its arguments: None is
-        the press's own even budget (``n_windows * k``, or what pooling leaves); one count, every KV head keeping
-        the same tokens (chosen by their mean score); a ``(batch, heads)`` tensor, each KV head its own tokens
-        (``residual="drop"`` only). The budget wrappers of :mod:`kvpress_phase.presses.budget` decide counts and
-        pass them through :meth:`compress`."""
-        if counts is not None and self.residual != "drop":
-            raise ValueError(f"counts spread a raw-token budget by score, which needs residual='drop' (got "
-                             f"residual={self.residual!r})")
+                         scores: Optional[torch.Tensor], layout: WindowLayout) -> Compressed:
+        """The row's best window tokens stay raw (``n_windows * k``, or what pooling leaves, chosen by the KV heads'
+        mean score); the others are dropped or pooled. The budget wrappers of :mod:`kvpress_phase.presses.budget`
+        pull this press's scores and layout and choose for themselves."""
         if self.residual == "drop":
-            n_raw = layout.n_windows * layout.k if counts is None else counts
-            raw = raw_tokens(scores, layout, n_raw, share_heads=not isinstance(n_raw, torch.Tensor),
-                             recent=self.recent)
+            raw = raw_tokens(scores, layout, layout.n_windows * layout.k, share_heads=True, recent=self.recent)
             return keep_only(keys, values, raw, layout)
         pool_layout, n_raw = self.pool_layout(layout)
         raw = raw_tokens(scores, pool_layout, n_raw, share_heads=True, recent=self.recent, cap=True)
