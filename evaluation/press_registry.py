@@ -12,6 +12,8 @@ the CLI, the reports and the training configuration read these entries, never a 
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -159,15 +161,23 @@ def _wrapper_class(name: str):
 
 def _budget(name: str):
     """The budget wrapper ``name`` (:data:`~.spellings.WRAPPERS`) around the ``PhaseAwarePress`` of the other
-    settings; the wrapper's own fields (``floor``, and ``threshold`` for ``threshold_budget``) are the wrapper's."""
+    settings, or around the kvpress scorer press ``press=NAME`` names (``global_budget:press=knorm`` is
+    ``GlobalBudgetPress(KnormPress(ratio))``, at the nominal ratio: the wrapper spends kvpress's own budget); the
+    wrapper's own fields (``floor``, and ``threshold`` for ``threshold_budget``) are the wrapper's."""
     def build(options: dict, a: BuildArgs):
         cls = _wrapper_class(name)
         options = dict(options)
         inner = options.pop("press", WRAPPED)
-        if inner != WRAPPED:
-            raise ValueError(f"press={inner!r}: {WRAPPERS[name]} spreads a PhaseAwarePress's budget, press={WRAPPED} "
-                             "(the default)")
         own = {key: options.pop(key) for key in _wrapper_fields(name) if key in options}
+        if inner != WRAPPED:
+            scorers = [n for n, e in REGISTRY.items() if e.factory.__qualname__.startswith("_kvpress.")]
+            if inner not in scorers:
+                raise ValueError(f"press={inner!r}: {WRAPPERS[name]} wraps {WRAPPED} (the default) or a kvpress scorer "
+                                 f"press: one of {', '.join(scorers)}")
+            if options:
+                raise ValueError(f"{', '.join(sorted(options))}: settings of {WRAPPED}, which press={inner} does not "
+                                 "take")
+            return cls(REGISTRY[inner].factory({}, dataclasses.replace(a, base_ratio=a.ratio)), **own)
         if REGISTRY[name].default_scorer:  # threshold_budget: the learned scorer, whose text calibrates it
             options.setdefault("scorer", REGISTRY[name].default_scorer)
         return cls(_phase_aware(options, a), **own)

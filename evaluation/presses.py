@@ -95,7 +95,9 @@ def prefill_reads(spec: PressSpec) -> frozenset:
     entry = spec.entry
     if entry.settings == "none":
         return entry.reads - {QUESTION}
-    scorer = dict(spec.options).get("scorer", entry.default_scorer or "keydiff")
+    options = dict(spec.options)
+    scorer = options.get("press") if options.get("press") in REGISTRY else \
+        options.get("scorer", entry.default_scorer or "keydiff")  # a wrapper around a kvpress press reads its inputs
     reads = REGISTRY[scorer].reads if scorer in REGISTRY else frozenset({HIDDEN_STATES, ATTENTIONS})
     if entry.settings == "scorer":
         reads = reads | {ATTENTIONS}
@@ -112,7 +114,9 @@ def shares_scores(spec: PressSpec) -> bool:
         return entry.shared_scores
     if entry.settings == "scorer":
         return False
-    scorer = dict(spec.options).get("scorer", entry.default_scorer or "keydiff")
+    options = dict(spec.options)
+    scorer = options.get("press") if options.get("press") in REGISTRY else \
+        options.get("scorer", entry.default_scorer or "keydiff")
     return scorer in REGISTRY and REGISTRY[scorer].shared_scores
 
 

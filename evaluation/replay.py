@@ -278,7 +278,8 @@ class ReplayEngine:
         Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
         attends to), ``cache_bytes`` (the bytes the cache holds after the prefill as kvpress's pipeline stores it,
         measured: :func:`kvpress_phase.cache_bytes`; a per-head press of ours on its ragged cache, :func:`ragged_cache`,
-        which it is also decoded on, one answer at a time, unless ``needles`` asks for the attention diagnostic),
+        which it is also decoded on, one answer at a time; its needle diagnostic is read from one masked forward of the
+        question over the same entries),
         ``masses`` (one per needle, or None).
         """
         from kvpress_phase.ragged import cache_bytes
@@ -337,13 +338,20 @@ class ReplayEngine:
             cache = self.compressed_cache(state, presses[i], share_scores=bool(share_scores and share_scores[i]))
             masks = self.masks(state, presses[i])
             fp = (cache_fingerprint(state, cache), _mask_fingerprint(masks))
-            if stores_ragged(presses[i]) and masks and not needles:
+            if stores_ragged(presses[i]) and masks:
                 # stored and decoded as kvpress's pipeline stores and decodes it: each KV head its own entries
                 stored = ragged_cache(cache, masks)
                 built[i] = (cache, masks, fp, cache_bytes(stored))
                 if fp not in decoded:
                     tokens = decode_ragged(self.model, stored, question_ids, state.context_length, max_new_tokens)
-                    decoded[fp] = (answer_text(self.tokenizer, tokens), None)
+                    own = None
+                    if needles:  # the question's attention over the same entries, read from the masked layout
+                        rows = {}
+                        decode_tokens(self.model, [cache], question_ids, state.context_length, 1, masks=[masks],
+                                      probe=AttentionProbe(self.model, state.inputs, rows), step_by_step=True)
+                        own = {layer: torch.cat([r[:, :, :cache.layers[layer].keys.shape[2]],
+                                                 r[:, :, r.shape[-1] - q_len:]], dim=-1) for layer, r in rows.items()}
+                    decoded[fp] = (answer_text(self.tokenizer, tokens), own)
                 del stored
                 finish()
                 continue
