@@ -533,10 +533,10 @@ def _attention_layers(module, cache) -> list:
     return list(range(n)) if n else list(range(len(cache.layers)))
 
 
-def budget_of(press) -> str:
-    """The name of the budget wrapper ``press`` is (for error messages), or ``""``."""
-    return type(press).__name__ if isinstance(press, BudgetPress) else ""
+def is_budget(press) -> bool:
+    """Whether ``press`` is one of the budget wrappers (:class:`BudgetPress`)."""
+    return isinstance(press, BudgetPress)
 
 
 __all__ = ["BudgetPress", "HeadBudgetPress", "LayerBudgetPress", "GlobalBudgetPress",
-           "budget_of"]
+           "is_budget"]

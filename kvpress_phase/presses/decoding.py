@@ -45,7 +45,7 @@ from transformers import QuantizedCache
 
 from kvpress_phase.core.phase import WindowLayout, n_windows
 from kvpress_phase.presses.base import WindowedPress
-from kvpress_phase.presses.budget import budget_of
+from kvpress_phase.presses.budget import is_budget
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
 from kvpress_phase.presses.scorers import SnapKVScorer, token_scores
 from kvpress_phase.presses.stats import LayerStats
@@ -77,9 +77,9 @@ class WindowedDecodingPress(PrefillDecodingPress):
 
     def __post_init__(self):
         windowed = self.windowed
-        if budget_of(windowed):
+        if is_budget(windowed):
             raise ValueError(f"WindowedDecodingPress needs the same budget in every window of every layer and head; "
-                             f"{budget_of(windowed)} spreads it by score: wrap the PhaseAwarePress itself "
+                             f"{type(windowed).__name__} spreads it by score: wrap the PhaseAwarePress itself "
                              "(WindowedDecodingPress(PhaseAwarePress(...)))")
         if not isinstance(windowed, WindowedPress):
             raise ValueError(

@@ -13,7 +13,7 @@ from torch import nn
 
 from kvpress_phase.core.phase import check_ratio
 from kvpress_phase.presses.base import WindowedPress
-from kvpress_phase.presses.budget import budget_of
+from kvpress_phase.presses.budget import is_budget
 from kvpress_phase.presses.storage import decoding_attention
 
 
@@ -40,8 +40,8 @@ class PerLayerWindowedPress(BasePress):
     compression_ratios: Union[Sequence[float], Mapping[int, float]]
 
     def __post_init__(self):
-        if budget_of(self.press):
-            raise ValueError(f"PerLayerWindowedPress sets each layer's budget itself; {budget_of(self.press)} spreads "
+        if is_budget(self.press):
+            raise ValueError(f"PerLayerWindowedPress sets each layer's budget itself; {type(self.press).__name__} spreads "
                              "the budget by score: use one or the other")
         if not isinstance(self.press, WindowedPress):
             raise ValueError(

@@ -18,8 +18,8 @@ and seeded ``niah_single``/``niah_multikey`` rows of ``--context-length`` tokens
   eager attention weights, and the language-model loss of a text under the converted q/k layout and RoPE base
   against the alternatives.
 
-    python benchmarks/investigate_snapkv.py                      # all sections, 4 samples per task (about 5 min, CPU)
-    python benchmarks/investigate_snapkv.py --sections scores --samples 1
+    python -m studies.snapkv_investigation                      # all sections, 4 samples per task (about 5 min, CPU)
+    python -m studies.snapkv_investigation --sections scores --samples 1
 """
 
 from __future__ import annotations
