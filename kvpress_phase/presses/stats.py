@@ -174,18 +174,26 @@ class CacheSummary:
                 "stored_ratio": self.stored_ratio}
 
 
-def cache_summary(press, cache=None) -> CacheSummary:
+def cache_summary(press=None, cache=None, *, context_length: Optional[int] = None) -> CacheSummary:
     """The :class:`CacheSummary` of the last prefill that ``press`` compressed: a press of this package (any whose
     ``stats`` holds :class:`LayerStats`) or its ``stats`` dict. ValueError when nothing was recorded yet, or a record
     lacks its shape (one built by hand without ``batch``, ``heads`` and ``entry_bytes``).
+
+    Any other press (kvpress's own, or None for no press) records nothing: give the ``cache`` its prefill wrote and
+    the ``context_length`` it prefilled, and the summary is read from the cache alone (:func:`summary_of_cache`;
+    the entries kvpress's per-head presses mask are stored, and counted as attended: the cache does not say which).
 
     It describes the cache as the prefill left it: under ``WindowedDecodingPress`` the records cover the compressed
     part, not the raw tokens appended since. With ``cache`` (the cache the prefill wrote, e.g. the one given to
     kvpress's pipeline), ``bytes_stored`` is measured from it (:func:`kvpress_phase.cache_bytes`: every tensor it
     holds, whatever it held since) instead of counted from the records."""
     stats = press if isinstance(press, Mapping) else getattr(press, "stats", None)
-    if not isinstance(stats, Mapping):
-        raise ValueError(f"cache_summary takes a press with a stats dict, or the dict, got {type(press).__name__}")
+    if not isinstance(stats, Mapping) or (not stats and cache is not None and context_length is not None):
+        if cache is None or context_length is None:
+            raise ValueError(f"{type(press).__name__} records nothing of the cache it compressed: pass the cache the "
+                             "prefill wrote and the tokens it prefilled, cache_summary(press, cache, "
+                             "context_length=n)")
+        return summary_of_cache(cache, context_length)
     if not stats:
         raise ValueError("the press has recorded no layer yet: run a prefill with it first")
     totals = dict(before=0, stored=0, attended=0, bytes_stored=0, bytes_attended=0, bytes_before=0)
@@ -204,3 +212,34 @@ def cache_summary(press, cache=None) -> CacheSummary:
         totals["bytes_stored"] = cache_bytes(cache)
     return CacheSummary(len(stats), totals["before"], totals["stored"], totals["attended"], totals["bytes_stored"],
                         totals["bytes_attended"], totals["bytes_before"])
+
+
+def summary_of_cache(cache, context_length: int) -> CacheSummary:
+    """The :class:`CacheSummary` of ``cache`` after a prefill of ``context_length`` tokens, whatever compressed it:
+    the entries each layer stores (a ragged layer's live ones, a dense layer's ``batch * heads * length``), the bytes
+    it holds (:func:`kvpress_phase.cache_bytes`), and what the uncompressed cache of ``context_length`` tokens would
+    have held, at the same bytes per entry. Every stored entry counts as attended."""
+    from kvpress_phase.ragged import RaggedLayer, cache_bytes
+
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+        raise ValueError(f"context_length must be an int >= 1, got {context_length!r}")
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        raise ValueError(f"cache_summary reads a transformers Cache with layers, got {type(cache).__name__}")
+    before = stored = bytes_attended = bytes_before = 0
+    for layer in layers:
+        if isinstance(layer, RaggedLayer):
+            rows, entries = layer.num_heads, layer.entries
+            entry_bytes = layer.key_buffer.shape[-1] * layer.key_buffer.element_size() \
+                + layer.value_buffer.shape[-1] * layer.value_buffer.element_size()
+        else:
+            keys, values = layer.keys, layer.values
+            if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+                raise ValueError(f"cache_summary reads dense or ragged layers, got {type(layer).__name__}")
+            rows, entries = keys.shape[0] * keys.shape[1], keys.shape[0] * keys.shape[1] * keys.shape[2]
+            entry_bytes = keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
+        before += rows * context_length
+        stored += entries
+        bytes_attended += entries * entry_bytes
+        bytes_before += rows * context_length * entry_bytes
+    return CacheSummary(len(layers), before, stored, stored, cache_bytes(cache), bytes_attended, bytes_before)

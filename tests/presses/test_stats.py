@@ -144,7 +144,31 @@ def test_layer_stats_read_as_a_dict_and_print_short(built_in, input_ids):
 def test_a_summary_needs_a_prefill_and_recorded_shapes():
     with pytest.raises(ValueError, match="run a prefill"):
         cache_summary(PhaseAwarePress(0.5))
-    with pytest.raises(ValueError, match="stats dict"):
+    with pytest.raises(ValueError, match="records nothing.*context_length"):
         cache_summary(object())
     with pytest.raises(ValueError, match=r"press.stats\[0\] does not record its shape"):
         cache_summary({0: LayerStats(10, 5, 0.5, None, None)})
+
+
+def test_cache_summary_reads_any_press_from_its_cache():
+    """kvpress's own presses and no press record nothing: the summary is read from the cache the pipeline used."""
+    from kvpress import KnormPress
+    from transformers import DynamicCache, pipeline
+
+    from kvpress_phase import cache_bytes, load_builtin_model
+    from kvpress_phase.evaluation.tasks import generate
+
+    model, tokenizer = load_builtin_model()
+    example = generate("niah_single", tokenizer, n_samples=1, context_length=256, stride=8, phases=[1])[0]
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    n = len(tokenizer.encode(tokenizer.bos_token + example["context"], add_special_tokens=False))
+    for press in (None, KnormPress(0.5)):
+        cache = DynamicCache()
+        pipe(example["context"], question=example["question"], press=press, max_new_tokens=2, cache=cache)
+        summary = cache_summary(press, cache, context_length=n)
+        assert summary.bytes_stored == cache_bytes(cache)
+        assert summary.entries_before == len(cache.layers) * model.config.num_key_value_heads * n
+        expected = 0.0 if press is None else 0.5
+        assert summary.achieved_ratio == pytest.approx(expected, abs=0.01)
+    with pytest.raises(ValueError, match="context_length"):
+        cache_summary(KnormPress(0.5))
