@@ -222,7 +222,8 @@ def _kvzap(options: dict, a: BuildArgs):
 def _dms_kvzap(options: dict, a: BuildArgs):
     """kvpress's ``DMSPress`` around ``KVzapPress`` with the shipped scorer, its threshold calibrated for the matched
     ratio (:class:`~kvpress_phase.presses.learned_scorer.CalibratedDMSPress`)."""
-    from kvpress_phase.presses.learned_scorer import CalibratedDMSPress, LocalKVzapPress
+    from kvpress_phase.presses.calibrated_dms import CalibratedDMSPress
+    from kvpress_phase.presses.learned_scorer import LocalKVzapPress
 
     return CalibratedDMSPress(LocalKVzapPress(), target_ratio=a.base_ratio)
 

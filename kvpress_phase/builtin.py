@@ -28,20 +28,20 @@ from typing import Optional, Union
 from kvpress_phase.model_cache import QWEN25_CODER, SMOLLM2, ModelUnavailable, WheelModel, ensure_wheel_model
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
-SCORERS = os.path.join(_ROOT, "scorers")
+SCORERS_DIR = os.path.join(_ROOT, "scorers")
 """The folder of the KVzap scorers shipped in the package, one sub-folder per model (``kvpress_phase/scorers/``)."""
 
 
 def scorer_models() -> dict[str, str]:
-    """``{model name: folder}`` of the scorers shipped in :data:`SCORERS`, the name being the ``--model`` each was
+    """``{model name: folder}`` of the scorers shipped in :data:`SCORERS_DIR`, the name being the ``--model`` each was
     trained on (its ``config.json``'s ``source_model``, else the folder's name). Torch-free: it reads the JSON only
     (:func:`kvpress_phase.presses.learned_scorer.shipped_scorers` loads the configs and the shapes they fit)."""
     found = {}
-    for folder in sorted(os.listdir(SCORERS)) if os.path.isdir(SCORERS) else []:
-        path = os.path.join(SCORERS, folder, "config.json")
+    for folder in sorted(os.listdir(SCORERS_DIR)) if os.path.isdir(SCORERS_DIR) else []:
+        path = os.path.join(SCORERS_DIR, folder, "config.json")
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as fh:
-                found[json.load(fh).get("source_model") or folder] = os.path.join(SCORERS, folder)
+                found[json.load(fh).get("source_model") or folder] = os.path.join(SCORERS_DIR, folder)
     return found
 
 

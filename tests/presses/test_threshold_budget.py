@@ -15,7 +15,8 @@ from tiny_models import assert_replay_matches_pipeline, tiny_model, tiny_scorer
 from kvpress_phase import HeadBudgetPress, PhaseAwarePress, cache_summary
 from kvpress_phase.presses.ablations import ThresholdBudgetPress
 from kvpress_phase.core.phase import WindowLayout
-from kvpress_phase.presses.learned_scorer import (SHIPPED, THRESHOLDS, CalibratedDMSPress, LocalKVzapPress,
+from kvpress_phase.presses.calibrated_dms import CalibratedDMSPress
+from kvpress_phase.presses.learned_scorer import (SHIPPED, THRESHOLDS, LocalKVzapPress,
                                                  ScoreQuantiles)
 from kvpress_phase.presses.budget import Candidates
 from kvpress_phase.ragged import RaggedLayer
