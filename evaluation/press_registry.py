@@ -254,16 +254,18 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                settings="fields", grid_offset=True, trainable=True, setting_names=_phase_aware_settings,
                example="phase_aware:scorer=kvzap"),
     PressEntry("head_budget", "HeadBudgetPress(PhaseAwarePress): its raw-token budget spread by score across the KV "
-               "heads of each layer (each head its own tokens; floor=1.0: each head its own even budget)",
+               "heads of each layer (each head its own tokens; floor=1.0: each head its own even budget; press=NAME wraps a "
+               "kvpress scorer press instead, e.g. head_budget:press=knorm)",
                _budget("head_budget"), settings="fields", masks=True, grid_offset=True, trainable=True,
                in_default_job=False, setting_names=_wrapper_settings("head_budget"), wraps=WRAPPED,
                example="head_budget:scorer=kvzap"),
     PressEntry("layer_budget", "LayerBudgetPress(PhaseAwarePress): its raw-token budget spread by score across "
-               "layers (each layer dense at its own length)", _budget("layer_budget"), settings="fields",
+               "layers (each layer dense at its own length; press=NAME: a kvpress scorer press)", _budget("layer_budget"), settings="fields",
                grid_offset=True, trainable=True, in_default_job=False, setting_names=_wrapper_settings("layer_budget"),
                wraps=WRAPPED, example="layer_budget:scorer=kvzap"),
     PressEntry("global_budget", "GlobalBudgetPress(PhaseAwarePress): its raw-token budget spread by score across "
-               "layers and KV heads together (KVzip's shape)", _budget("global_budget"), settings="fields",
+               "layers and KV heads together (KVzip's shape; press=NAME: a kvpress scorer press, e.g. "
+               "global_budget:press=knorm)", _budget("global_budget"), settings="fields",
                masks=True, grid_offset=True, trainable=True, in_default_job=False, setting_names=_wrapper_settings("global_budget"),
                wraps=WRAPPED, example="global_budget:floor=0.25:scorer=kvzap"),
     PressEntry("threshold_budget", "retired (a study's ablation): ThresholdBudgetPress(PhaseAwarePress): its raw-token budget over layers and KV "
@@ -302,10 +304,12 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
     PressEntry("kvzip_plus", "kvpress KVzipPress(kvzip_plus_normalization=True) (KVzip+: the attention scaled by the "
                "value's output norm; global budget, masked)", _kvzip(True), masks=True, matched=True),
     PressEntry("adakv", "kvpress AdaKVPress(KeyDiffPress) (per-head budgets within each layer, masked; :scorer=NAME "
-               "wraps another scorer, e.g. kvzap)", _adakv, settings="scorer", masks=True, matched=True,
+               "wraps another scorer, e.g. kvzap; kvpress's own evaluation calls AdaKVPress(ExpectedAttentionPress) "
+               "'adakv': here adakv:scorer=expected_attention)", _adakv, settings="scorer", masks=True, matched=True,
                default_scorer="keydiff", scorers=("knorm", "keydiff", "snapkv", "tova", "expected_attention", "kvzap")),
     PressEntry("kvzap", "kvpress KVzapPress with the scorer shipped for the model (learned KVzip+ scores from the "
-               "layer's input, the same count per head)", _kvzap, reads=frozenset({HIDDEN_STATES}), matched=True,
+               "layer's input, the same count per head; a linear scorer, trained here: kvpress's own evaluation names "
+               "its hub MLP kvzap_mlp_head)", _kvzap, reads=frozenset({HIDDEN_STATES}), matched=True,
                in_default_job=False, shared_scores=True),
     PressEntry("dms_kvzap", "kvpress DMSPress(KVzapPress) with the scorer shipped for the model, as kvpress pairs them "
                "(entries scored below a threshold masked, the last 128 tokens kept); the threshold from the scorer's "
