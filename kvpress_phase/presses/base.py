@@ -153,13 +153,8 @@ class WindowedPress(BasePress):
         when the context manager exits, to the same exact length. A cache that plain SDPA cannot decode afterwards
         (layers of different lengths) has the model decode it with the package's attention while it is alive
         (:func:`~kvpress_phase.presses.storage.decoding_attention`)."""
-        with decoding_attention(self, model):
-            if not getattr(self.scorer, "needs_context", False):
-                with BasePress.__call__(self, model):
-                    yield
-            else:
-                with _compress_after_prefill(self, model):
-                    yield
+        with compressing(self, model):
+            yield
 
     def reset(self) -> None:
         """Kept for kvpress's ``PrefillDecodingPress``, which calls it whenever its context exits: what a press
@@ -314,6 +309,22 @@ def _check_positions(press, hidden_states: Optional[torch.Tensor], seq_len: int)
         f"and RoPE re-rotation would be wrong. Put {name} first: ComposedPress([{name}(...), other_press]) "
         "works, the other press then prunes the compressed cache."
     )
+
+
+@contextlib.contextmanager
+def compressing(press, model, *, stores_ragged: bool = False):
+    """The context a press of this package compresses a prefill in: kvpress's hooks (``press.forward_hook`` on every
+    attention layer), or, with a scorer that needs the whole context (``press.scorer.needs_context``), compression
+    once the prefill has finished (:func:`_compress_after_prefill`); inside
+    :func:`~kvpress_phase.presses.storage.decoding_attention` (``stores_ragged``: the press stores KV heads at their
+    own lengths), so that a cache plain SDPA cannot read is decoded with the package's attention."""
+    with decoding_attention(press, model, stores_ragged=stores_ragged):
+        if not getattr(press.scorer, "needs_context", False):
+            with BasePress.__call__(press, model):
+                yield
+        else:
+            with _compress_after_prefill(press, model):
+                yield
 
 
 @contextlib.contextmanager

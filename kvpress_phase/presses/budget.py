@@ -61,11 +61,11 @@ from torch import nn
 from transformers import QuantizedCache
 
 from kvpress_phase.core.phase import WindowLayout, check_number
-from kvpress_phase.presses.base import WindowedPress, _check_positions, _compress_after_prefill
+from kvpress_phase.presses.base import WindowedPress, _check_positions, compressing
 from kvpress_phase.presses.choice import RunningTopB, floor_keyed, raw_tokens
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
 from kvpress_phase.presses.stats import LayerStats
-from kvpress_phase.presses.storage import decoding_attention, kept_positions, store_layer
+from kvpress_phase.presses.storage import kept_positions, store_layer
 from kvpress_phase.ragged import RaggedLayer
 
 EVICTED_SHARE = 0.05
@@ -231,13 +231,8 @@ class BudgetPress(BasePress):
                              "HeadBudgetPress for a budget within each layer")
         self._storing = True
         try:
-            with decoding_attention(self, model, stores_ragged=self.per_head):
-                if not getattr(self.scorer, "needs_context", False):
-                    with BasePress.__call__(self, model):
-                        yield
-                else:
-                    with _compress_after_prefill(self, model):
-                        yield
+            with compressing(self, model, stores_ragged=self.per_head):
+                yield
             self._finish_stream()
         finally:
             self._storing, self._stream = False, None
