@@ -62,7 +62,7 @@ from transformers import QuantizedCache
 
 from kvpress_phase.core.phase import WindowLayout, check_number
 from kvpress_phase.presses.base import WindowedPress, _check_positions, compressing
-from kvpress_phase.presses.choice import RunningTopB, floor_keyed, raw_tokens
+from kvpress_phase.presses.choice import RunningTopB, floor_keyed, raw_tokens, spread_budget
 from kvpress_phase.presses.phase_aware_press import PhaseAwarePress
 from kvpress_phase.presses.stats import LayerStats
 from kvpress_phase.presses.storage import kept_positions, store_layer
@@ -178,11 +178,15 @@ class BudgetPress(BasePress):
         ``AdaKVPress`` pulls them)."""
         return self.press.score(module, hidden_states, keys, values, attentions, kwargs).float()
 
-    def keyed(self, scores: torch.Tensor, cand: Candidates) -> torch.Tensor:
-        """One batch row's competing tokens as ranked: ``(rows, T)``, a row per KV head (per-head budgets) or one
-        for the layer (the heads' mean), each row's floor raised to ``+inf`` (:func:`floor_keyed`)."""
+    def units(self, scores: torch.Tensor, cand: Candidates) -> torch.Tensor:
+        """One batch row's competing tokens' scores: ``(rows, T)``, a row per KV head (per-head budgets) or one for
+        the layer (the heads' mean)."""
         win = scores.gather(1, cand.positions)
-        return floor_keyed(win if self.per_head else win.mean(dim=0, keepdim=True), cand.budget, self.floor)
+        return win if self.per_head else win.mean(dim=0, keepdim=True)
+
+    def keyed(self, scores: torch.Tensor, cand: Candidates) -> torch.Tensor:
+        """:meth:`units` as ranked, each row's floor raised to ``+inf`` (:func:`floor_keyed`)."""
+        return floor_keyed(self.units(scores, cand), cand.budget, self.floor)
 
     def _active(self, cand: Candidates) -> bool:
         return self.press.compression_ratio > 0 and cand.positions.shape[1] > 0 and \
@@ -191,10 +195,8 @@ class BudgetPress(BasePress):
     # ------------------------------------------------------------------ the budget within a layer
     def row_counts(self, scores: torch.Tensor, cand: Candidates) -> torch.Tensor:
         """One batch row's counts within the layer: ``(rows,)`` entries each row keeps of its competing tokens, the
-        layer's ``rows * budget`` spread by score (``spread_budget``)."""
-        top = RunningTopB(self.keyed(scores, cand).shape[0] * cand.budget)
-        top.add(0, self.keyed(scores, cand))
-        return top.alive(0).sum(dim=-1)
+        layer's ``rows * budget`` spread by score (:func:`spread_budget`)."""
+        return spread_budget([self.units(scores, cand)], [cand.budget], self.floor)[0]
 
     def keep_of(self, scores: torch.Tensor, cand: Candidates, counts: torch.Tensor) -> torch.Tensor:
         """``(batch, heads, n)`` bool: the entries each batch row keeps given its rows' counts (``(batch, rows)``):
@@ -314,7 +316,7 @@ class BudgetPress(BasePress):
         rows = keys.shape[1] if self.per_head else 1
         if stream is None or layer_idx in stream.layers:  # a new prefill
             self._finish_stream()
-            n_layers = len(_attention_layers(module, cache))
+            n_layers = _n_layers(module, cache)
             stream = self._stream = _Stream(RunningTopB(n_layers * rows * cand.budget), cache, n_layers)
         scores = self.scores(module, hidden_states, keys, values, attentions, kwargs)[0]
         lost = stream.top.add(layer_idx, self.keyed(scores, cand))
@@ -362,8 +364,7 @@ class BudgetPress(BasePress):
         self._plan = {}
         if not self.plans_across_layers:
             return
-        layers = list(layers)
-        top, owners = None, []
+        units, budgets, owners = [], [], []
         for module, hidden_states, keys, values, attentions, kwargs in layers:
             if keys.shape[0] != 1:
                 raise ValueError(f"{type(self).__name__} plans one context at a time (batch 1), got batch "
@@ -371,17 +372,13 @@ class BudgetPress(BasePress):
             cand = self.candidates(module, keys)
             if not self._active(cand):
                 continue
-            if top is None:
-                top = RunningTopB(len(layers) * (keys.shape[1] if self.per_head else 1) * cand.budget)
             scores = self.scores(module, hidden_states, keys, values, attentions, kwargs)[0]
-            owner = (getattr(module, "layer_idx", 0), keys.shape[2])
-            top.add(owner, self.keyed(scores, cand))
-            owners.append((owner, scores, cand))
-        if top is None:
-            return
-        top.finish(sum(top.alive(o).shape[0] * c.budget for o, _, c in owners))
-        for owner, scores, cand in owners:
-            self._plan[owner] = (scores, top.alive(owner).sum(dim=-1))
+            units.append(self.units(scores, cand))
+            budgets.append(cand.budget)
+            owners.append(((getattr(module, "layer_idx", 0), keys.shape[2]), scores))
+        # every layer at once, as the pipeline's running top-B ends (tests/presses/test_running_budget.py)
+        for (owner, scores), counts in zip(owners, spread_budget(units, budgets, self.floor)):
+            self._plan[owner] = (scores, counts)
 
     def planned(self, module: nn.Module, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores and counts :meth:`plan` held for this layer (released from the plan)."""
@@ -521,11 +518,9 @@ class _Stream:
         record.n_stored = int(record.stored.sum())
 
 
-def _attention_layers(module, cache) -> list:
-    """The attention layers the prefill runs through (one per cache layer the model has)."""
-    config = getattr(module, "config", None)
-    n = getattr(config, "num_hidden_layers", None)
-    return list(range(n)) if n else list(range(len(cache.layers)))
+def _n_layers(module, cache) -> int:
+    """How many attention layers the prefill runs through (the model's, else the cache's)."""
+    return getattr(getattr(module, "config", None), "num_hidden_layers", None) or len(cache.layers)
 
 
 def is_budget(press) -> bool:
