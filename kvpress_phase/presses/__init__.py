@@ -2,8 +2,8 @@
 
 - :class:`ChunkedStridePress` (chunked_stride_press.py): fixed windows every ``stride`` tokens, ``k`` entries each;
 - :class:`PhaseAwarePress` (phase_aware_press.py): the same cache length, the row's best tokens;
-- :class:`HeadBudgetPress`, :class:`LayerBudgetPress`, :class:`GlobalBudgetPress` (budget.py): wrappers that spread a
-  ``PhaseAwarePress``'s budget by score across KV heads, layers, or both;  how a compressed layer
+- :class:`HeadBudgetPress`, :class:`LayerBudgetPress`, :class:`GlobalBudgetPress` (budget.py): wrappers that spread the
+  budget of a ``PhaseAwarePress`` or of any kvpress ``ScorerPress`` by score across KV heads, layers, or both;  how a compressed layer
   is stored (dense, or ragged when its KV heads keep different numbers) in storage.py;
 - :class:`PerLayerWindowedPress` (per_layer.py): a ratio per layer for any of them;
 - :class:`WindowedDecodingPress` (decoding.py): any of them while generating too.

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
-from kvpress import BasePress, KeyDiffPress, ScorerPress
+from kvpress import BasePress, ScorerPress
 from kvpress.presses.base_press import is_prefilling
 from torch import nn
 
 from kvpress_phase.kernels import BACKENDS, ROPE_MODES, WEIGHTINGS, Compressed, pool_windows, select_windows
 from kvpress_phase.core.phase import (WindowLayout, check_number, check_ratio, group_bounds, kept_per_window,
                                  ratio_mismatch, window_ratio)
-from kvpress_phase.presses.scorers import SCORERS, scorer_from_name, token_scores
+from kvpress_phase.presses.scorers import SCORERS, KeyDiffScorer, scorer_from_name, token_scores
 from kvpress_phase.presses.stats import LayerStats
 from kvpress_phase.presses.storage import decoding_attention
 from kvpress_phase.core.rope import rotary_inv_freq
@@ -62,7 +62,7 @@ class WindowedPress(BasePress):
     offset: int = 0
     n_sink: int = 4
     n_local: int = 16
-    scorer: ScorerPress = field(default_factory=KeyDiffPress)
+    scorer: ScorerPress = field(default_factory=KeyDiffScorer)
     backend: Optional[str] = None
     stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _warned_ratio: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)

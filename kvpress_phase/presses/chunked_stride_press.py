@@ -41,7 +41,7 @@ class ChunkedStridePress(WindowedPress):
     A sequence too short for one window passes through unchanged.
 
     Defaults: **selection** (``mode="select"``: each window keeps its ``k`` best tokens, which keep their original
-    rotation) scored by kvpress's ``KeyDiffPress`` (keys least similar to the mean key; query-agnostic, keys only),
+    rotation) scored by KeyDiff (``KeyDiffScorer``, kvpress's ``KeyDiffPress`` scores: keys least similar to the mean key; query-agnostic, keys only),
     chosen on the real pretrained model's pre-registered dev split (``docs/preregistration-real-model.md``): pooled
     entries hurt a model never trained with them, and KeyDiff was the best cheap per-window scorer. Pooling
     (``mode="pool"``) is for models trained with a pooled cache, such as the built-in ``chunked`` model. How the
@@ -73,7 +73,7 @@ class ChunkedStridePress(WindowedPress):
         ``"select"`` keeps the ``k`` highest-scoring tokens of each window (ties to the earlier token), which keep
         their original rotation; ``"pool"`` merges each window into ``k`` entries (slot ``i`` of the window feeds
         entry ``floor(i * k / W)``).
-    scorer : kvpress.ScorerPress or str, default ``KeyDiffPress()``
+    scorer : kvpress.ScorerPress or str, default ``KeyDiffScorer()`` (kvpress's KeyDiff)
         Per-token scores (higher = more important) for ``mode="select"`` and ``weighting="score"``. Its own
         ``compression_ratio`` is ignored. Any kvpress ``ScorerPress``, or
         :class:`~kvpress_phase.presses.scorers.KVzipScorer` (KVzip's reconstruction scores; the press then

@@ -28,7 +28,7 @@ class PhaseAwarePress(WindowedPress):
     whatever is fixed per window (which slots merge, how many tokens a window may keep) favours facts at some
     offsets over others, and a budget that follows the content across the whole row does not.
 
-    1. **Score** every token with ``scorer`` (default kvpress's ``KeyDiffPress``, keys least similar to the mean
+    1. **Score** every token with ``scorer`` (default KeyDiff's scores, ``KeyDiffScorer``: keys least similar to the mean
        key: query-agnostic and cheap, so the press is the same whether or not the question is in the cache), and
        average the scores over the KV heads (every head keeps the same tokens, so a fact is kept whole in every
        head; :class:`~kvpress_phase.presses.budget.HeadBudgetPress` gives each head its own).
@@ -51,7 +51,7 @@ class PhaseAwarePress(WindowedPress):
     compression_ratio, stride, offset, n_sink, n_local, backend
         As in :class:`~kvpress_phase.ChunkedStridePress`: the cache length is that press's. ``offset`` places the
         pooling windows of ``residual="pool"`` (the choice of raw tokens has no grid).
-    scorer : kvpress.ScorerPress or str, default ``KeyDiffPress()``
+    scorer : kvpress.ScorerPress or str, default ``KeyDiffScorer()`` (kvpress's KeyDiff)
         Scores that choose the raw tokens: any kvpress ``ScorerPress``,
         :class:`~kvpress_phase.presses.scorers.KVzipScorer` (KVzip's reconstruction scores; the press then compresses
         after the prefill), :class:`~kvpress_phase.presses.scorers.SnapKVScorer`, or a name of

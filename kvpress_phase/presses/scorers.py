@@ -180,19 +180,37 @@ class KVzipScorer(ScorerPress):
         return self.scores
 
 
+@dataclass
+class KeyDiffScorer(KeyDiffPress):
+    """kvpress's KeyDiff scores (minus the cosine similarity of each key to the mean of the normalised keys),
+    computed without kvpress's normalised copy of every key: one pass for the key norms, one matrix-vector product
+    for the anchor (the mean normalised key) and one for the similarities, in float32. Equal to
+    ``KeyDiffPress.score`` up to float rounding (``tests/presses/test_scorers.py``); the presses' default scorer and
+    the name ``keydiff``. kvpress's own ``KeyDiffPress()`` passed as a scorer is asked through its own ``score``."""
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        x = keys if keys.dtype == torch.float32 else keys.float()
+        norms = torch.linalg.vector_norm(x, dim=-1)                                   # (B, H, n)
+        anchor = torch.einsum("bhnd,bhn->bhd", x, 1.0 / norms.clamp_min(1e-12)) / x.shape[2]
+        dots = torch.einsum("bhnd,bhd->bhn", x, anchor)
+        scale = norms.clamp_min(1e-8) * torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(1e-8)
+        return -dots / scale
+
+
 SCORERS = {
     "knorm": KnormPress,
     "snapkv": SnapKVScorer,
     "expected_attention": ExpectedAttentionPress,
     "tova": TOVAPress,
-    "keydiff": KeyDiffPress,
+    "keydiff": KeyDiffScorer,
     "random": RandomPress,
     "kvzip": KVzipScorer,
     "kvzap": LocalKVzapPress,
 }
 """Scorers our presses accept by name, in Python (``PhaseAwarePress(scorer="keydiff")``) and in an evaluation press
 spec (``phase_aware:scorer=snapkv``): kvpress's, for ``snapkv`` its partial-rotary-safe version
-:class:`SnapKVScorer` (same scores otherwise), and for ``kvzap`` kvpress's ``KVzapPress`` with the scorer shipped for
+:class:`SnapKVScorer` (same scores otherwise), for ``keydiff`` :class:`KeyDiffScorer` (same scores, no copy of
+the keys), and for ``kvzap`` kvpress's ``KVzapPress`` with the scorer shipped for
 the model (:class:`~kvpress_phase.presses.learned_scorer.LocalKVzapPress`: learned KVzip+ scores, comparable
 across layers)."""
 
@@ -204,22 +222,6 @@ def scorer_from_name(name: str) -> ScorerPress:
     return SCORERS[name]()
 
 
-def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
-    """KeyDiff's scores (kvpress's ``KeyDiffPress.score``: minus the cosine similarity of each key to the mean of the
-    normalised keys), computed without its temporaries: one pass for the key norms, one matrix-vector product for
-    the anchor (the mean normalised key) and one for the similarities, in float32. Equal to ``KeyDiffPress.score``
-    up to float rounding (``tests/presses/test_scorers.py``); ``(batch, heads, seq_len)``."""
-    x = keys if keys.dtype == torch.float32 else keys.float()
-    norms = torch.linalg.vector_norm(x, dim=-1)                                   # (B, H, n)
-    anchor = torch.einsum("bhnd,bhn->bhd", x, 1.0 / norms.clamp_min(1e-12)) / x.shape[2]
-    dots = torch.einsum("bhnd,bhd->bhn", x, anchor)
-    scale = norms.clamp_min(1e-8) * torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(1e-8)
-    return -dots / scale
-
-
 def token_scores(scorer: ScorerPress, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
-    """``scorer``'s scores of ``keys`` in float32: :func:`keydiff_scores` for kvpress's ``KeyDiffPress`` (the
-    presses' default scorer: the same scores without a normalised copy of every key), ``scorer.score`` otherwise."""
-    if type(scorer) is KeyDiffPress:
-        return keydiff_scores(keys)
+    """``scorer.score(...)`` in float32: every scorer, ours or kvpress's, is asked through its own ``score``."""
     return scorer.score(module, hidden_states, keys, values, attentions, kwargs).float()

@@ -116,20 +116,41 @@ def test_scores_under_autograd_are_differentiable_and_the_same():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_lean_keydiff_scores_equal_kvpress_keydiff(dtype):
+def test_keydiff_scorer_equals_kvpress_keydiff(dtype):
     from kvpress import KeyDiffPress
 
-    from kvpress_phase.presses.scorers import keydiff_scores, token_scores
+    from kvpress_phase.presses.scorers import KeyDiffScorer, token_scores
 
     g = torch.Generator().manual_seed(3)
     keys = (torch.randn(2, 3, 257, 16, generator=g) * torch.rand(2, 3, 257, 1, generator=g) * 4).to(dtype)
     keys[0, 1, 5] = 0  # a zero key: both clamp its norm
     expected = KeyDiffPress().score(None, None, keys.float(), keys.float(), None, {})
-    lean = keydiff_scores(keys)
+    lean = token_scores(KeyDiffScorer(), None, None, keys, keys, None, {})
     assert lean.dtype == torch.float32 and lean.shape == (2, 3, 257)
     torch.testing.assert_close(lean, expected, rtol=0, atol=1e-5)
-    assert torch.equal(token_scores(KeyDiffPress(), None, None, keys, keys, None, {}), lean)
-    assert not torch.equal(lean, keydiff_scores(keys.flip(2)))  # it reads the keys, in order
+    assert not torch.equal(lean, token_scores(KeyDiffScorer(), None, None, keys.flip(2), keys, None, {}))
+
+
+def test_kvpress_keydiff_is_asked_through_its_own_score(monkeypatch):
+    """No special case: kvpress's KeyDiffPress passed as a scorer is asked through its own score, so a change to
+    it in kvpress takes effect here."""
+    from kvpress import KeyDiffPress
+
+    from kvpress_phase.presses.scorers import token_scores
+
+    keys = torch.randn(1, 2, 40, 8)
+    monkeypatch.setattr(KeyDiffPress, "score", lambda self, m, h, k, v, a, kw: k[..., 0] * 7)
+    assert torch.equal(token_scores(KeyDiffPress(), None, None, keys, keys, None, {}), keys[..., 0] * 7)
+
+
+def test_keydiff_is_the_default_scorer_and_the_name():
+    from kvpress import KeyDiffPress
+
+    from kvpress_phase import PhaseAwarePress
+    from kvpress_phase.presses.scorers import KeyDiffScorer, scorer_from_name
+
+    assert type(PhaseAwarePress().scorer) is KeyDiffScorer and type(scorer_from_name("keydiff")) is KeyDiffScorer
+    assert isinstance(KeyDiffScorer(), KeyDiffPress)
 
 
 def test_other_scorers_go_through_their_own_score():

@@ -8,7 +8,7 @@ from kvpress import KeyDiffPress, KnormPress
 
 from kvpress_phase import ChunkedStridePress, PhaseAwarePress, StaggeredWindowPress
 from kvpress_phase.evaluation.presses import build_press, parse_press_spec
-from kvpress_phase.presses.scorers import SCORERS, KVzipScorer, SnapKVScorer
+from kvpress_phase.presses.scorers import KeyDiffScorer, SCORERS, KVzipScorer, SnapKVScorer
 
 BAD = [
     ("compression_ratio", -0.1),
@@ -107,8 +107,9 @@ def test_scorer_by_name_builds_the_scorer_of_the_shared_table(cls):
         assert type(press.scorer) is scorer_cls
     assert SCORERS["knorm"] is KnormPress and SCORERS["snapkv"] is SnapKVScorer and SCORERS["kvzip"] is KVzipScorer
     press = cls(0.5, scorer="keydiff")
-    assert press == cls(0.5, scorer=KeyDiffPress()) and "scorer=KeyDiffPress(" in repr(press)
-    assert type(dataclasses.replace(press, stride=4).scorer) is KeyDiffPress
+    assert press == cls(0.5) and "scorer=KeyDiffScorer(" in repr(press)
+    assert press != cls(0.5, scorer=KeyDiffPress())  # kvpress's own class, asked through its own score
+    assert type(dataclasses.replace(press, stride=4).scorer) is KeyDiffScorer
     assert type(dataclasses.replace(press, scorer="knorm").scorer) is KnormPress
     with pytest.raises(ValueError, match="unknown scorer 'keydif'.*keydiff"):
         cls(0.5, scorer="keydif")
