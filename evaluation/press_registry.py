@@ -206,9 +206,9 @@ def _adakv(options: dict, a: BuildArgs):
     """kvpress's ``AdaKVPress`` around KeyDiff's scores, or around the scorer ``scorer=NAME`` names."""
     from kvpress import AdaKVPress
 
-    from kvpress_phase.presses.scorers import scorer_from_name
+    from kvpress_phase.presses.scorers import BASELINE_SCORERS, scorer_from_name
 
-    scorer = scorer_from_name(options.get("scorer", "keydiff"))
+    scorer = scorer_from_name(options.get("scorer", "keydiff"), BASELINE_SCORERS)
     scorer.compression_ratio = a.base_ratio
     return AdaKVPress(scorer)
 
@@ -230,13 +230,13 @@ def _dms_kvzap(options: dict, a: BuildArgs):
 
 def _chunk(class_name: str, default_scorer: str):
     """kvpress's chunk wrapper ``class_name`` around kvpress's ``default_scorer`` press, or around the scorer of
-    :data:`~kvpress_phase.presses.scorers.SCORERS` that ``scorer=NAME`` names."""
+    :data:`~kvpress_phase.presses.scorers.BASELINE_SCORERS` that ``scorer=NAME`` names."""
     def build(options: dict, a: BuildArgs):
         import kvpress
 
-        from kvpress_phase.presses.scorers import SCORERS
+        from kvpress_phase.presses.scorers import BASELINE_SCORERS
 
-        scorer = SCORERS[options["scorer"]] if "scorer" in options else getattr(kvpress, default_scorer)
+        scorer = BASELINE_SCORERS[options["scorer"]] if "scorer" in options else getattr(kvpress, default_scorer)
         return getattr(kvpress, class_name)(press=scorer(a.base_ratio), chunk_length=a.stride)
     return build
 

@@ -45,9 +45,11 @@ def reshaped(fields: dict) -> dict:
     - PhaseAwarePress's ``allocate``, ``floor`` and ``share_heads`` became budget wrappers around it
       (:data:`BUDGET_WRAPPERS`; ``share_heads=False`` alone is ``HeadBudgetPress(floor=1.0)``, each head its own
       even budget), and a configuration written before ``allocate`` existed has the even budget it always had;
-    - ``KVzipScorer`` gained ``kvzip_plus_normalization`` (KVzip+'s scores), False for every earlier one.
+    - ``KVzipScorer`` gained ``kvzip_plus_normalization`` (KVzip+'s scores), False for every earlier one;
+    - our presses' default scorer and the name ``keydiff`` are ``KeyDiffScorer``, kvpress's ``KeyDiffPress`` with
+      the same scores computed without a copy of the keys (``tests/presses/test_scorers.py``).
     """
-    out = dict(fields)
+    out = _keydiff_scorer(dict(fields))
     if "decoding" in out:
         assert out.pop("decoding") == "False"
     scorer = out.get("scorer")
@@ -65,6 +67,16 @@ def reshaped(fields: dict) -> dict:
         value = out.pop(name)
         assert only is None or value == only, (name, value)
     return _wrapped(out)
+
+
+def _keydiff_scorer(fields: dict) -> dict:
+    """``scorer`` ``KeyDiffPress`` -> ``KeyDiffScorer``, in a press and in the press it wraps."""
+    scorer = fields.get("scorer")
+    if isinstance(scorer, dict) and scorer.get("class") == "KeyDiffPress":
+        fields["scorer"] = {**scorer, "class": "KeyDiffScorer"}
+    if isinstance(fields.get("press"), dict) and fields.get("class") in BUDGET_WRAPPERS.values():
+        fields["press"] = _keydiff_scorer(dict(fields["press"]))
+    return fields
 
 
 BUDGET_WRAPPERS = {"'heads'": "HeadBudgetPress", "'layers'": "LayerBudgetPress", "'layers_heads'": "GlobalBudgetPress"}

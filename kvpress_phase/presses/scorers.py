@@ -215,11 +215,18 @@ the model (:class:`~kvpress_phase.presses.learned_scorer.LocalKVzapPress`: learn
 across layers)."""
 
 
-def scorer_from_name(name: str) -> ScorerPress:
-    """A fresh scorer for a name of :data:`SCORERS`; ValueError listing the names otherwise."""
-    if name not in SCORERS:
-        raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(SCORERS)}")
-    return SCORERS[name]()
+BASELINE_SCORERS = {**SCORERS, "keydiff": KeyDiffPress}
+"""The scorers kvpress's own wrappers take by name in an evaluation spec (``adakv:scorer=NAME``,
+``chunk:scorer=NAME``): :data:`SCORERS`, with kvpress's ``KeyDiffPress`` itself for ``keydiff``, so that a kvpress
+baseline runs kvpress's code."""
+
+
+def scorer_from_name(name: str, table: dict = SCORERS) -> ScorerPress:
+    """A fresh scorer for a name of ``table`` (:data:`SCORERS`, or :data:`BASELINE_SCORERS` for kvpress's
+    wrappers); ValueError listing the names otherwise."""
+    if name not in table:
+        raise ValueError(f"unknown scorer {name!r}; valid scorers: {', '.join(table)}")
+    return table[name]()
 
 
 def token_scores(scorer: ScorerPress, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
