@@ -184,12 +184,35 @@ def _budget(name: str):
     return build
 
 
-def _kvpress(class_name: str):
+def _kvpress(class_name: str, seeded: bool = False):
+    """kvpress's scorer press ``class_name`` at the baseline's ratio, with its defaults; ``seeded``: its Gaussian
+    sketch drawn from a seed per layer (:func:`_seed_sketch`)."""
     def build(options: dict, a: BuildArgs):
         import kvpress
 
-        return getattr(kvpress, class_name)(a.base_ratio)
+        press = getattr(kvpress, class_name)(a.base_ratio)
+        return _seed_sketch(press) if seeded else press
     return build
+
+
+def _seed_sketch(press):
+    """``press`` (kvpress's ``LeverageScorePress``, or ``CompactorPress``, whose leverage scores are one), its
+    random Gaussian sketch drawn from the seed ``layer_idx`` on every call, the RNG's state restored after: the same
+    scores for the same prefill, so that an answer repeats across runs and resumes (kvpress's own evaluation seeds
+    torch once per run; the replay compresses in no fixed order)."""
+    import torch
+    from kvpress import LeverageScorePress
+
+    leverage = press if isinstance(press, LeverageScorePress) else press._leverage_press
+    score = leverage.score
+
+    def seeded(module, hidden_states, keys, values, attentions, kwargs):
+        with torch.random.fork_rng(devices=[keys.device] if keys.device.type == "cuda" else []):
+            torch.manual_seed(int(module.layer_idx))
+            return score(module, hidden_states, keys, values, attentions, kwargs)
+
+    leverage.score = seeded
+    return press
 
 
 def _kvzip(plus: bool):
@@ -199,6 +222,28 @@ def _kvzip(plus: bool):
         from .replay import KVzipMasks
 
         return KVzipMasks(a.base_ratio, kvzip_plus_normalization=plus)
+    return build
+
+
+def _kvgrad(options: dict, a: BuildArgs):
+    """kvpress's ``KVgradPress`` as the replay engine runs it: masks from scores of the whole context
+    (:class:`~.replay.KVgradMasks`)."""
+    from .replay import KVgradMasks
+
+    return KVgradMasks(a.base_ratio)
+
+
+def _wrapping(class_name: str, default_scorer: str, **settings):
+    """kvpress's wrapper ``class_name`` around kvpress's ``default_scorer`` press, or around the scorer of
+    :data:`~kvpress_phase.presses.scorers.BASELINE_SCORERS` that ``scorer=NAME`` names, with kvpress's defaults
+    otherwise (and ``settings``)."""
+    def build(options: dict, a: BuildArgs):
+        import kvpress
+
+        from kvpress_phase.presses.scorers import BASELINE_SCORERS
+
+        scorer = BASELINE_SCORERS[options["scorer"]] if "scorer" in options else getattr(kvpress, default_scorer)
+        return getattr(kvpress, class_name)(press=scorer(a.base_ratio), **settings)
     return build
 
 
@@ -307,6 +352,42 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "wraps another scorer, e.g. kvzap; kvpress's own evaluation calls AdaKVPress(ExpectedAttentionPress) "
                "'adakv': here adakv:scorer=expected_attention)", _adakv, settings="scorer", masks=True, matched=True,
                default_scorer="keydiff", scorers=("knorm", "keydiff", "snapkv", "tova", "expected_attention", "kvzap")),
+    # kvpress 0.5.5's other presses that run offline on both real models (docs/evaluation.md lists those that do not,
+    # and why), with kvpress's defaults; not in the default job
+    PressEntry("cur", "kvpress CURPress (CurDKV: approximate leverage of each key times its value's, normalised in "
+               "windows of 16 tokens; the first 4 kept)", _kvpress("CURPress"), matched=True, in_default_job=False,
+               shared_scores=True),
+    PressEntry("lagkv", "kvpress LagKVPress (spread of each key and value scaled by the next partition's range, "
+               "partitions of 128 tokens; the first 4 tokens and the last partition kept)", _kvpress("LagKVPress"),
+               matched=True, in_default_job=False, shared_scores=True),
+    PressEntry("leverage", "kvpress LeverageScorePress (approximate statistical leverage of the pre-RoPE keys: "
+               "outliers kept; its Gaussian sketch drawn from a seed per layer)", _kvpress("LeverageScorePress", True),
+               reads=frozenset({HIDDEN_STATES}), matched=True, in_default_job=False),
+    PressEntry("non_causal_attn", "kvpress NonCausalAttnPress (attention each key gets from every query of its chunk "
+               "of 256 tokens, non-causal, times its value's norm)", _kvpress("NonCausalAttnPress"),
+               reads=frozenset({HIDDEN_STATES, QUESTION}), matched=True, in_default_job=False, shared_scores=True),
+    PressEntry("compactor", "kvpress CompactorPress (leverage scores blended with non-causal chunked attention, "
+               "weighted by the ratio; the first 8 and last 4 tokens kept; its sketch drawn from a seed per layer)",
+               _kvpress("CompactorPress", True), reads=frozenset({HIDDEN_STATES, QUESTION}), matched=True,
+               in_default_job=False),
+    PressEntry("cap", "kvpress CapPress (CAPKV: capacity of each value, weighted by its key's alignment with the "
+               "mean query; the first 4 kept)", _kvpress("CapPress"), reads=frozenset({HIDDEN_STATES, QUESTION}),
+               matched=True, in_default_job=False, shared_scores=True),
+    PressEntry("entropy_chunkkv", "kvpress EntropyGatedChunkKVPress(SnapKVPress) (ChunkKV with chunks of 10 tokens, "
+               "a high-scoring chunk of low score entropy cut to its 4 best; :scorer=NAME wraps another scorer)",
+               _wrapping("EntropyGatedChunkKVPress", "SnapKVPress"), settings="scorer", matched=True,
+               in_default_job=False, default_scorer="snapkv"),
+    PressEntry("block", "kvpress BlockPress(KeyDiffPress) (KeyDiff's scores over blocks of 128 tokens, compressed "
+               "block after block; kvpress's evaluation's block_keydiff)",
+               _wrapping("BlockPress", "KeyDiffPress", block_size=128), reads=frozenset({HIDDEN_STATES}),
+               matched=True, in_default_job=False),
+    PressEntry("merging", "kvpress MergingPress(KnormPress) (each evicted entry's value merged into its most similar "
+               "kept entry's; :scorer=NAME wraps another scorer)", _wrapping("MergingPress", "KnormPress"),
+               settings="scorer", matched=True, in_default_job=False, default_scorer="knorm",
+               scorers=("knorm", "keydiff", "snapkv", "tova", "expected_attention", "kvzap")),
+    PressEntry("kvgrad", "kvpress KVgradPress (KVzip's reconstruction of the context, each entry scored by its "
+               "attention, its value's output norm and the gradient of the last hidden states; global budget, "
+               "masked)", _kvgrad, masks=True, matched=True, in_default_job=False),
     PressEntry("kvzap", "kvpress KVzapPress with the scorer shipped for the model (learned KVzip+ scores from the "
                "layer's input, the same count per head; a linear scorer, trained here: kvpress's own evaluation names "
                "its hub MLP kvzap_mlp_head)", _kvzap, reads=frozenset({HIDDEN_STATES}), matched=True,
