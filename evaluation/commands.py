@@ -106,7 +106,7 @@ def load_model(model: Optional[str], device: str, dtype: str, wheel: Optional[st
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvpress_phase.builtin import quiet_loading
+    from kvpress_phase.builtin import quiet_loading, with_head_dim
 
     path, tokenizer = load_tokenizer(model, wheel)
     try:
@@ -114,7 +114,7 @@ def load_model(model: Optional[str], device: str, dtype: str, wheel: Optional[st
             lm = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as exc:
         raise UsageError(f"--model {model or path!r} cannot be loaded: {first_line(exc)}") from None
-    return lm.to(device).eval(), tokenizer
+    return with_head_dim(lm).to(device).eval(), tokenizer
 
 
 def _dtype_warning(dtype: str, device: str) -> Optional[str]:

@@ -233,6 +233,16 @@ def _kvgrad(options: dict, a: BuildArgs):
     return KVgradMasks(a.base_ratio)
 
 
+def _critical(class_name: str):
+    """kvpress's ``class_name`` (``CriticalKVPress``, ``CriticalAdaKVPress``) around ``ExpectedAttentionPress`` with
+    ``use_vnorm=False``, as kvpress's own evaluation pairs them (the value norm is CriticalKV's second stage)."""
+    def build(options: dict, a: BuildArgs):
+        import kvpress
+
+        return getattr(kvpress, class_name)(press=kvpress.ExpectedAttentionPress(a.base_ratio, use_vnorm=False))
+    return build
+
+
 def _wrapping(class_name: str, default_scorer: str, **settings):
     """kvpress's wrapper ``class_name`` around kvpress's ``default_scorer`` press, or around the scorer of
     :data:`~kvpress_phase.presses.scorers.BASELINE_SCORERS` that ``scorer=NAME`` names, with kvpress's defaults
@@ -385,6 +395,12 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "kept entry's; :scorer=NAME wraps another scorer)", _wrapping("MergingPress", "KnormPress"),
                settings="scorer", matched=True, in_default_job=False, default_scorer="knorm",
                scorers=("knorm", "keydiff", "snapkv", "tova", "expected_attention", "kvzap")),
+    PressEntry("critical_kv", "kvpress CriticalKVPress(ExpectedAttentionPress) (expected attention, rescaled in a "
+               "second stage by the output projection of each value; as kvpress's evaluation pairs them)",
+               _critical("CriticalKVPress"), reads=_WINDOW_ATTENTION, matched=True, in_default_job=False),
+    PressEntry("critical_adakv", "kvpress CriticalAdaKVPress(ExpectedAttentionPress) (CriticalKV's scores with "
+               "AdaKV's per-head budgets within each layer, masked)", _critical("CriticalAdaKVPress"),
+               reads=_WINDOW_ATTENTION, masks=True, matched=True, in_default_job=False),
     PressEntry("kvgrad", "kvpress KVgradPress (KVzip's reconstruction of the context, each entry scored by its "
                "attention, its value's output norm and the gradient of the last hidden states; global budget, "
                "masked)", _kvgrad, masks=True, matched=True, in_default_job=False),

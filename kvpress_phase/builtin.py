@@ -271,4 +271,14 @@ def load_builtin_model(device: str = "cpu", dtype=None, name: str = DEFAULT_MODE
     tokenizer = AutoTokenizer.from_pretrained(path)
     with quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
-    return model.to(device).eval(), tokenizer
+    return with_head_dim(model).to(device).eval(), tokenizer
+
+
+def with_head_dim(model):
+    """``model`` with ``config.head_dim`` set where its config leaves it implicit (Qwen2's: ``hidden_size //
+    num_attention_heads``, the size its attention uses): kvpress's ``CriticalKVPress`` and ``CriticalAdaKVPress``
+    read ``config.head_dim``. Nothing else changes."""
+    config = model.config
+    if getattr(config, "head_dim", None) is None and getattr(config, "num_attention_heads", None):
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    return model

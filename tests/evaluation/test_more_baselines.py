@@ -170,5 +170,50 @@ def test_every_kvpress_press_is_registered_or_its_reason_is_in_the_docs():
             reasons[cls] = line
     assert not set(reasons) & named, set(reasons) & named
     assert classes - named <= set(reasons), sorted(classes - named - set(reasons))
-    assert {"CriticalAdaKVPress", "FastKVzipPress", "QFilterPress", "ThinKPress"} <= set(reasons)
-    assert {"CURPress", "CompactorPress", "LagKVPress", "LeverageScorePress", "KVgradPress"} <= named
+    assert {"FastKVzipPress", "QFilterPress", "ThinKPress"} <= set(reasons)
+    assert {"CriticalKVPress", "CriticalAdaKVPress", "CURPress", "CompactorPress", "LagKVPress", "LeverageScorePress", "KVgradPress"} <= named
+
+
+CRITICAL = {"critical_kv": "CriticalKVPress", "critical_adakv": "CriticalAdaKVPress"}
+
+
+@pytest.mark.parametrize("name", list(CRITICAL))
+def test_critical_presses_wrap_expected_attention_as_kvpress_pairs_them(setting, name):
+    """CriticalKV and CriticalAdaKV around ExpectedAttentionPress(use_vnorm=False) (kvpress's evaluation's pairing),
+    answering through the pipeline and, identically, through the replay (CriticalAdaKV's per-head masks)."""
+    press = build_press(parse_press_spec(name), RATIO, 8, None, 0)
+    assert type(press) is getattr(kvpress, CRITICAL[name])
+    assert type(press.press) is kvpress.ExpectedAttentionPress and press.press.use_vnorm is False
+    assert press.compression_ratio == RATIO and REGISTRY[name].masks == (name == "critical_adakv")
+    model, tokenizer, pipe, example = setting
+    direct = pipe(example["context"], press=press, cache=DynamicCache(), **_ask(example))["answer"]
+    engine = ReplayEngine(model, tokenizer, step_by_step=True)
+    encoded = engine.encode(example["context"], [example["question"]], example["answer_prefix"])
+    state = engine.prefill(encoded["context_ids"])
+    replayed = engine.answer_many(state, [build_press(parse_press_spec(name), RATIO, 8, None, 0)],
+                                  encoded["questions_ids"][0], 6, batch_size=1)[0]
+    assert replayed["prediction"] == direct
+
+
+def test_the_loaders_give_qwen2_the_head_dim_critical_kv_reads():
+    """Qwen2's configuration leaves head_dim implicit; CriticalKV reads config.head_dim. The loaders set it to the
+    size Qwen2's attention uses, and CriticalKV then compresses a Qwen2 model through the pipeline."""
+    import transformers as tf
+
+    from kvpress_phase.builtin import with_head_dim
+
+    config = tf.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = tf.Qwen2ForCausalLM(config).eval()
+    assert getattr(model.config, "head_dim", None) is None
+    ids = torch.randint(0, 64, (1, 120))
+    press = build_press(parse_press_spec("critical_kv"), RATIO, 8, None, 0)
+    with pytest.raises(AttributeError, match="head_dim"), press(model), torch.no_grad():
+        model(ids, past_key_values=DynamicCache())
+    with_head_dim(model)
+    assert model.config.head_dim == model.model.layers[0].self_attn.head_dim == 16
+    cache = DynamicCache()
+    with press(model), torch.no_grad():
+        model(ids, past_key_values=cache)
+    assert cache.layers[0].keys.shape[2] == compute_n_kept(120, RATIO)
