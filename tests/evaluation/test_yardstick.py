@@ -6,47 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvpress_phase.evaluation.metrics import NEAR, Dependence, answer_dependence, tied_share
+from kvpress_phase.evaluation.metrics import Dependence, answer_dependence, tied_share
 
-
-def _frame(y: np.ndarray) -> pd.DataFrame:
-    """(cells, presses, texts, phases) 0/1 answers as the evaluation's long table; press 0 is the candidate."""
-    c, j, t, ph = np.indices(y.shape)
-    return pd.DataFrame({"cell": c.ravel(), "stride": y.shape[3], "sample_id": t.ravel(), "phase": ph.ravel(),
-                         "press": np.char.add("p", j.ravel().astype(str)), "score": y.ravel().astype(float)})
-
-
-def copula_split(rng, truths, texts, phases, dep: Dependence) -> pd.DataFrame:
-    from scipy import stats
-
-    n_c, n_p = truths.shape
-    z = (rng.standard_normal((n_c, 1, texts, 1)) * np.sqrt(dep.texts)
-         + rng.standard_normal((n_c, n_p, texts, 1)) * np.sqrt(dep.phases - dep.texts)
-         + rng.standard_normal((n_c, n_p, texts, phases)) * np.sqrt(1 - dep.phases))
-    return _frame(z < stats.norm.ppf(truths)[:, :, None, None])
-
-
-def beta_split(rng, truths, texts, phases, share=0.9) -> pd.DataFrame:
-    """Not the copula: a text moves every press's accuracy by one Beta(2, 2) amount (clipped), and a press answers
-    all phases of a text with one draw with probability ``share``."""
-    n_c, n_p = truths.shape
-    u = rng.beta(2, 2, (n_c, 1, texts, 1)) - 0.5
-    p = np.clip(truths[:, :, None, None] + 1.6 * u * np.sqrt(truths * (1 - truths))[:, :, None, None], 0, 1)
-    one = rng.random((n_c, n_p, texts, 1)) < share
-    y = np.where(one, rng.random((n_c, n_p, texts, 1)) < p, rng.random((n_c, n_p, texts, phases)) < p)
-    return _frame(np.broadcast_to(y, (n_c, n_p, texts, phases)))
-
-
-def realised(frame: pd.DataFrame) -> float:
-    means = frame.groupby(["cell", "press"]).score.mean().unstack()
-    best = means.drop(columns="p0").max(axis=1)
-    return float((means["p0"] >= best - NEAR - 1e-9).mean())
-
-
-def truths_with(cells, candidate, ties, below, gap):
-    t = np.full((cells, 1 + ties + below), candidate - gap)
-    t[:, : 1 + ties] = candidate
-    return t
+from studies.yardstick import _frame, beta_split, copula_split, realised, truths_with
 
 
 BASELINES = [f"p{j}" for j in range(1, 8)]
@@ -112,3 +74,21 @@ def test_clear_errors():
         tied_share(_frame(np.zeros((2, 3, 4, 4))), cell=["cell"], baselines=["nope"], dependence=Dependence(0, 0))
     with pytest.raises(ValueError, match="at least two presses"):
         answer_dependence(_frame(np.zeros((2, 3, 4, 4))), cell=["cell"], presses=["p1"])
+
+
+def test_the_study_reports_the_yardstick_and_where_the_phase_test_speaks():
+    """studies.yardstick on a split of known truth: the table per model and ratio, the candidate's count, and a
+    press whose answers never move with the phase shown at 0%."""
+    from studies.yardstick import phase_movement, report
+
+    rng = np.random.default_rng(4)
+    split = copula_split(rng, truths_with(6, 0.8, ties=1, below=3, gap=0.2), 8, 4, Dependence(0.3, 1.0))
+    split["model"], split["task"] = "m", split.cell.astype(str)
+    split["compression_ratio"] = np.where(split.cell < 3, 0.25, 0.5)
+    moving = split[split.press == "p0"].copy()
+    moving["press"], moving["score"] = "mover", (moving.phase == 0).astype(float)
+    split = pd.concat([split, moving])
+    text = report(split, ["model", "cell", "compression_ratio"], BASELINES[:4], "p0", replicates=200)
+    assert "| m | all | 6 | 8 |" in text and "| m | 0.25 | 3 |" in text and "`p0` counted in" in text
+    moves = phase_movement(split)
+    assert moves["mover"] == 1.0 and moves["p1"] == 0.0
