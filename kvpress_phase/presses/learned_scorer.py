@@ -123,8 +123,12 @@ class LocalKVzapPress(KVzapPress):
 
     scorer_path: Optional[str] = None
 
+    def scorer_folder(self, model) -> str:
+        """The folder the scorer is read from: ``scorer_path``, else the one shipped for ``model``."""
+        return self.scorer_path or shipped_scorer_path(model)
+
     def post_init_from_model(self, model):
-        path = self.scorer_path or shipped_scorer_path(model)
+        path = self.scorer_folder(model)
         if self.kvzap_model_name != path:
             self.kvzap_model = load_scorer(path, model)
             self.kvzap_model_name = path  # what KVzapPress compares: the hub is never asked
@@ -137,6 +141,21 @@ class LocalKVzapPress(KVzapPress):
             raise ValueError("LocalKVzapPress loads its scorer in post_init_from_model(model): use the press as a "
                              "context manager (`with press(model): ...`) or through kvpress's pipeline")
         return super().score(module, hidden_states, keys, values, attentions, kwargs)
+
+
+MLP_FOLDER = "mlp"
+"""The sub-folder of a shipped scorer's folder that holds the two-layer MLP scorer trained beside it."""
+
+
+@dataclass
+class LocalKVzapMLPPress(LocalKVzapPress):
+    """:class:`LocalKVzapPress` with the two-layer MLP scorer shipped for the model (``Linear(h, h/8) -> GELU ->
+    Linear(h/8, KV heads)``, trained by ``kvpress-phase train-scorer --arch both`` on the same training passages as
+    the linear one; kvpress's own evaluation calls its hub MLP ``kvzap_mlp_head``). As a scorer of our presses it is
+    ``scorer="kvzap_mlp"``; ``scorer_path`` still names any folder."""
+
+    def scorer_folder(self, model) -> str:
+        return self.scorer_path or os.path.join(shipped_scorer_path(model), MLP_FOLDER)
 
 
 THRESHOLDS = "thresholds.json"

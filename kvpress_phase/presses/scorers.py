@@ -23,7 +23,7 @@ from kvpress import ExpectedAttentionPress, KeyDiffPress, KnormPress, RandomPres
 from kvpress.utils import get_prerope_query_states
 
 from kvpress_phase.presses.kvzip_adapter import kvzip_scores
-from kvpress_phase.presses.learned_scorer import LocalKVzapPress
+from kvpress_phase.presses.learned_scorer import LocalKVzapMLPPress, LocalKVzapPress
 from torch import nn
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import rotate_half
@@ -197,6 +197,55 @@ class KeyDiffScorer(KeyDiffPress):
         return -dots / scale
 
 
+@dataclass
+class RankMixScorer(ScorerPress):
+    """Two scorers' orders mixed within each layer, on the first scorer's scale.
+
+    Within a layer (every KV head and token of a batch row together), each scorer's scores become ranks in [0, 1);
+    the mix is ``(1 - weight) * rank(first) + weight * rank(second)``; the entry ranked ``i``-th by the mix gets the
+    ``i``-th smallest of ``first``'s scores. So the layer's scores keep ``first``'s distribution (a budget across
+    layers, :class:`~kvpress_phase.presses.budget.GlobalBudgetPress`, spreads as it does over ``first`` alone),
+    while the order within the layer follows the mix. ``weight=0`` is ``first``'s order, ``weight=1`` ``second``'s.
+    The scorer names ``kvzap_keydiff_25``, ``_50`` and ``_75`` are the learned scores (``first``) mixed with
+    KeyDiff's (``second``) at weight 0.25, 0.5 and 0.75 (docs/preregistration-low-ratio.md)."""
+
+    first: Optional[ScorerPress] = None
+    second: Optional[ScorerPress] = None
+    weight: float = 0.5
+
+    def __post_init__(self):
+        for name in ("first", "second"):
+            if not isinstance(getattr(self, name), ScorerPress):
+                raise ValueError(f"RankMixScorer: {name} must be a kvpress ScorerPress, got "
+                                 f"{type(getattr(self, name)).__name__}")
+        if not 0.0 <= float(self.weight) <= 1.0:
+            raise ValueError(f"RankMixScorer: weight must be in [0, 1], got {self.weight}")
+
+    def post_init_from_model(self, model):
+        self.first.post_init_from_model(model)
+        self.second.post_init_from_model(model)
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        first = token_scores(self.first, module, hidden_states, keys, values, attentions, kwargs)
+        second = token_scores(self.second, module, hidden_states, keys, values, attentions, kwargs)
+        flat_first, flat_second = first.reshape(first.shape[0], -1), second.reshape(second.shape[0], -1)
+        n = flat_first.shape[1]
+
+        def ranks(x):
+            return x.argsort(dim=1, stable=True).argsort(dim=1, stable=True).float() / n
+
+        mix = (1.0 - self.weight) * ranks(flat_first) + self.weight * ranks(flat_second)
+        order = mix.argsort(dim=1, stable=True).argsort(dim=1, stable=True)
+        return flat_first.sort(dim=1).values.gather(1, order).reshape(first.shape)
+
+
+def _kvzap_keydiff(weight: float):
+    def build() -> RankMixScorer:
+        return RankMixScorer(first=LocalKVzapPress(), second=KeyDiffScorer(), weight=weight)
+    build.__name__ = f"kvzap_keydiff_{round(weight * 100)}"
+    return build
+
+
 SCORERS = {
     "knorm": KnormPress,
     "snapkv": SnapKVScorer,
@@ -206,13 +255,18 @@ SCORERS = {
     "random": RandomPress,
     "kvzip": KVzipScorer,
     "kvzap": LocalKVzapPress,
+    "kvzap_mlp": LocalKVzapMLPPress,
+    "kvzap_keydiff_25": _kvzap_keydiff(0.25),
+    "kvzap_keydiff_50": _kvzap_keydiff(0.5),
+    "kvzap_keydiff_75": _kvzap_keydiff(0.75),
 }
 """Scorers our presses accept by name, in Python (``PhaseAwarePress(scorer="keydiff")``) and in an evaluation press
 spec (``phase_aware:scorer=snapkv``): kvpress's, for ``snapkv`` its partial-rotary-safe version
 :class:`SnapKVScorer` (same scores otherwise), for ``keydiff`` :class:`KeyDiffScorer` (same scores, no copy of
 the keys), and for ``kvzap`` kvpress's ``KVzapPress`` with the scorer shipped for
 the model (:class:`~kvpress_phase.presses.learned_scorer.LocalKVzapPress`: learned KVzip+ scores, comparable
-across layers)."""
+across layers), for ``kvzap_mlp`` the two-layer MLP scorer shipped beside it, and for ``kvzap_keydiff_W`` the learned
+scores' order mixed with KeyDiff's at weight W/100 (:class:`RankMixScorer`)."""
 
 
 BASELINE_SCORERS = {**SCORERS, "keydiff": KeyDiffPress}

@@ -161,3 +161,52 @@ def test_other_scorers_go_through_their_own_score():
     keys = torch.randn(1, 2, 40, 8)
     assert torch.equal(token_scores(KnormPress(), None, None, keys, keys, None, {}),
                        KnormPress().score(None, None, keys, keys, None, {}).float())
+
+
+def test_rank_mix_keeps_the_first_scale_and_mixes_the_order():
+    """RankMixScorer: the layer's scores are the first scorer's values, in the mixed order; weight 0 is the first
+    scorer's scores exactly, weight 1 the second's order; bad settings are refused by name."""
+    from kvpress import KnormPress, RandomPress
+
+    from kvpress_phase.presses.scorers import KeyDiffScorer, RankMixScorer, token_scores
+
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3, 50, 8, generator=g) * torch.rand(2, 3, 50, 1, generator=g)
+    knorm = KnormPress().score(None, None, keys, keys, None, {}).float()
+    keydiff = token_scores(KeyDiffScorer(), None, None, keys, keys, None, {})
+    for weight in (0.0, 0.3, 1.0):
+        mixed = RankMixScorer(first=KnormPress(), second=KeyDiffScorer(), weight=weight).score(
+            None, None, keys, keys, None, {})
+        assert torch.equal(mixed.reshape(2, -1).sort(dim=1).values, knorm.reshape(2, -1).sort(dim=1).values)
+        if weight == 0.0:
+            assert torch.equal(mixed, knorm)
+        if weight == 1.0:  # KeyDiff's order on Knorm's values
+            assert torch.equal(mixed.reshape(2, -1).argsort(1), keydiff.reshape(2, -1).argsort(1))
+    middle = RankMixScorer(first=KnormPress(), second=KeyDiffScorer(), weight=0.3).score(None, None, keys, keys,
+                                                                                         None, {})
+    assert not torch.equal(middle, knorm)
+    with pytest.raises(ValueError, match="weight must be in"):
+        RankMixScorer(first=KnormPress(), second=RandomPress(), weight=1.5)
+    with pytest.raises(ValueError, match="second must be a kvpress ScorerPress"):
+        RankMixScorer(first=KnormPress(), second=None)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["kvzap_mlp", "kvzap_keydiff_50"])
+def test_the_low_ratio_candidates_run_through_the_pipeline(name):
+    """The pre-registered candidates (docs/preregistration-low-ratio.md) as scorers of GlobalBudgetPress on SmolLM2:
+    the MLP scorer shipped for the model is loaded, and the budget is spent exactly."""
+    from transformers import DynamicCache, pipeline
+
+    from kvpress_phase import GlobalBudgetPress, PhaseAwarePress, cache_summary, load_builtin_model
+    from kvpress_phase.evaluation.tasks import generate
+
+    model, tokenizer = load_builtin_model(name="smollm2")
+    example = generate("niah_single", tokenizer, n_samples=1, context_length=400, stride=8, phases=[0])[0]
+    press = GlobalBudgetPress(PhaseAwarePress(0.5, scorer=name))
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    answer = pipe(example["context"], question=example["question"], press=press, cache=DynamicCache(),
+                  max_new_tokens=4)["answer"]
+    assert isinstance(answer, str)
+    if name == "kvzap_mlp":
+        assert press.press.scorer.model_type == "mlp" and press.press.scorer.kvzap_model_name.endswith("mlp")

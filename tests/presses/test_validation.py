@@ -102,9 +102,9 @@ def test_window_topk_with_pooled_leftovers_needs_pool_mode_without_overlap():
 
 @pytest.mark.parametrize("cls", [ChunkedStridePress, PhaseAwarePress])
 def test_scorer_by_name_builds_the_scorer_of_the_shared_table(cls):
-    for name, scorer_cls in SCORERS.items():
+    for name, make in SCORERS.items():
         press = cls(0.5, scorer=name)
-        assert type(press.scorer) is scorer_cls
+        assert press.scorer == make() and type(press.scorer) is type(make())
     assert SCORERS["knorm"] is KnormPress and SCORERS["snapkv"] is SnapKVScorer and SCORERS["kvzip"] is KVzipScorer
     press = cls(0.5, scorer="keydiff")
     assert press == cls(0.5) and "scorer=KeyDiffScorer(" in repr(press)
@@ -116,10 +116,10 @@ def test_scorer_by_name_builds_the_scorer_of_the_shared_table(cls):
 
 
 def test_cli_press_specs_use_the_same_scorer_table():
-    for name, scorer_cls in SCORERS.items():
+    for name, make in SCORERS.items():
         for press_name in ("chunked_stride", "phase_aware"):
             spec = parse_press_spec(f"{press_name}:scorer={name}")
-            assert type(build_press(spec, 0.5, 8, None, 0).scorer) is scorer_cls
+            assert build_press(spec, 0.5, 8, None, 0).scorer == make()
     with pytest.raises(ValueError, match="unknown scorer 'nope'; valid scorers: " + ", ".join(SCORERS)):
         parse_press_spec("phase_aware:scorer=nope")
 
