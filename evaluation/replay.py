@@ -79,43 +79,11 @@ class KVzipMasks:
 class KVgradMasks(KVzipMasks):
     """kvpress's ``KVgradPress`` as the evaluation replays it (the registry's ``kvgrad``), as :class:`KVzipMasks`
     replays ``KVzipPress``: the full cache, decoded with the entries ``KVgradPress(compression_ratio)`` masks. Its
-    scores (KVzip's reconstruction of the context with one backward pass per chunk: :func:`kvgrad_scores`) are
+    scores (KVzip's reconstruction of the context with one backward pass per chunk: :func:`~kvpress_phase.presses.kvzip_adapter.kvgrad_scores`) are
     computed once per prefill, and its masks come from the eviction rule it inherits from ``KVzipPress``
     (:func:`~kvpress_phase.presses.kvzip_adapter.kvzip_masks`)."""
 
     kvzip_plus_normalization: bool = field(default=False, init=False)
-
-
-def kvgrad_scores(model, context_ids: torch.Tensor, tokenizer) -> torch.Tensor:
-    """kvpress's ``KVgradPress()`` scores (``score_val``, ``(layers, 1, KV heads, T)``) of the context ``context_ids``
-    ``(1, T)``: a prefill outside inference mode (as ``KVgradPress.__call__`` runs it: its backward pass reads the
-    cached entries), then the press's own scoring (``_perform_kvzip_compression``, its eviction doing nothing at
-    ratio 0), with ``tokenizer`` for the reconstruction prompt where kvpress loads the model's by its
-    ``name_or_path``."""
-    import logging
-
-    from kvpress import KVgradPress
-    from transformers import DynamicCache
-
-    from kvpress_phase.presses.kvzip_adapter import check_kvzip_model, reconstruction_prompt
-
-    check_kvzip_model(model)
-    log = logging.getLogger("kvpress.presses.kvgrad_press")  # its warning about the cost, at every construction
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        press = KVgradPress(compression_ratio=0.0)
-    finally:
-        log.setLevel(level)
-    press.prefix_length, press._suffix_ids = reconstruction_prompt(tokenizer)
-    with torch.inference_mode(False), torch.no_grad():
-        cache = DynamicCache()
-        model.model(input_ids=context_ids.to(model.device), past_key_values=cache)
-    press._context_ids, press._cache = context_ids, cache
-    for layer in model.model.layers:  # as KVzipPress.__call__ does before scoring
-        layer.self_attn.rotary_emb = model.model.rotary_emb
-    press._perform_kvzip_compression(model, tokenizer)
-    return press.score_val.detach()
 
 
 @dataclass
@@ -294,8 +262,10 @@ class ReplayEngine:
         return kvzip_masks(self.model, scores, press.compression_ratio)
 
     def _kvgrad_scores(self, state: Prefill) -> torch.Tensor:
-        """KVgrad's scores of ``state``'s context (:func:`kvgrad_scores`), computed once per prefill for every ratio."""
+        """KVgrad's scores of ``state``'s context (:func:`~kvpress_phase.presses.kvzip_adapter.kvgrad_scores`), computed once per prefill for every ratio."""
         if "kvgrad_scores" not in state.memo:
+            from kvpress_phase.presses.kvzip_adapter import kvgrad_scores
+
             state.memo["kvgrad_scores"] = kvgrad_scores(self.model, state.context_ids, self.tokenizer)
         return state.memo["kvgrad_scores"]
 

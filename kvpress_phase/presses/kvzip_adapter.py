@@ -168,3 +168,31 @@ def missing_internals(press_class=None) -> list:
 
 __all__ = ["KVZIP_INTERNALS", "MASKED_KEYS", "check_kvzip_model", "first_scored_position", "kvzip_masks",
            "kvzip_scores", "kvzip_tokenizer", "missing_internals", "quiet_kvzip_press", "reconstruction_prompt"]
+
+
+def kvgrad_scores(model, context_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """kvpress's ``KVgradPress()`` scores (``score_val``, ``(layers, 1, KV heads, T)``) of the context ``context_ids``
+    ``(1, T)``: a prefill outside inference mode (as ``KVgradPress.__call__`` runs it: its backward pass reads the
+    cached entries), then the press's own scoring (``_perform_kvzip_compression``, its eviction doing nothing at
+    ratio 0), with ``tokenizer`` for the reconstruction prompt where kvpress loads the model's by its
+    ``name_or_path``."""
+    from kvpress import KVgradPress
+    from transformers import DynamicCache
+
+    check_kvzip_model(model)
+    log = logging.getLogger("kvpress.presses.kvgrad_press")  # its warning about the cost, at every construction
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        press = KVgradPress(compression_ratio=0.0)
+    finally:
+        log.setLevel(level)
+    press.prefix_length, press._suffix_ids = reconstruction_prompt(tokenizer)
+    with torch.inference_mode(False), torch.no_grad():
+        cache = DynamicCache()
+        model.model(input_ids=context_ids.to(model.device), past_key_values=cache)
+    press._context_ids, press._cache = context_ids, cache
+    for layer in model.model.layers:  # as KVzipPress.__call__ does before scoring
+        layer.self_attn.rotary_emb = model.model.rotary_emb
+    press._perform_kvzip_compression(model, tokenizer)
+    return press.score_val.detach()
