@@ -97,6 +97,15 @@ class EvalConfig:
             duplicate = duplicate_k(self.compression_ratios, self.strides)
             if duplicate:
                 raise ValueError(duplicate + "; drop one, or allow it explicitly (--allow-duplicate-k)")
+        from .presses import build_press
+
+        for stride in self.strides:  # every press as the run builds it (its stride and window), not mid-run
+            for spec, ratio, window in variants(self, stride):
+                try:
+                    build_press(spec, ratio, stride, window, 0)
+                except ValueError as exc:
+                    at = f"stride {stride}" + (f", window {window}" if window is not None else "")
+                    raise ValueError(f"press {spec.label!r} at {at}: {exc}") from None
 
     @staticmethod
     def _check_listed_once(listed: list) -> None:
@@ -246,21 +255,40 @@ def planned_answers(config: EvalConfig) -> int:
     stride, ``samples`` x phases rows (:func:`plan_units`), each answered by every variant of its stride
     (:func:`variants`). Counted without a tokenizer, and from the registry's entries without building a press (so
     without importing kvpress); KeyError for a press the registry does not hold."""
-    from .presses import REGISTRY
+    from .presses import REGISTRY, _parse_value
 
     total = 0
     for stride in config.strides:
         phases = config.phases if config.phases is not None else range(stride)
         n_variants = 0
         for text in config.presses:  # as variants() counts them
-            name = text.strip().split(":")[0]
+            name, *settings = text.strip().split(":")
             if name == "no_press":
                 n_variants += 1
                 continue
-            windows = config.windows if (config.windows and REGISTRY[name].grid_offset) else [None]
-            n_variants += len(config.compression_ratios) * sum(w is None or w >= stride for w in windows)
+            options = {k: _parse_value(v) for k, _, v in (item.partition("=") for item in settings)}
+            n_variants += len(config.compression_ratios) * len(windows_at(config, REGISTRY[name], options, stride))
         total += config.samples * len(phases) * n_variants
     return total * len(config.tasks) * len(config.context_lengths)
+
+
+def windows_at(config: EvalConfig, entry, options: dict, stride: int) -> list[Optional[int]]:
+    """The windows a press of registry ``entry`` with ``options`` runs at on ``stride``: None (its own) for a press
+    without a grid or a run without ``--windows``; else each ``--windows`` W >= ``stride``, where a press that takes
+    no windows longer than its stride (:attr:`~.press_registry.PressEntry.overlapping_windows`) runs at W = S in
+    place of every W > S (once). ``--strides 4,8 --windows 8`` thus runs pooled windows of 8 every 4 tokens beside
+    ``PhaseAwarePress`` and ``ChunkedStridePress``'s selection at S = 4, and every press at W = S = 8."""
+    if not (config.windows and entry.grid_offset):
+        return [None]
+    takes_longer = entry.overlapping_windows is not None and entry.overlapping_windows(options)
+    out = []
+    for window in config.windows:
+        if window < stride:
+            continue
+        window = window if (window == stride or takes_longer) else stride
+        if window not in out:
+            out.append(window)
+    return out
 
 
 def variants(config: EvalConfig, stride: int) -> list[tuple[PressSpec, float, Optional[int]]]:
@@ -270,11 +298,9 @@ def variants(config: EvalConfig, stride: int) -> list[tuple[PressSpec, float, Op
         if spec.name == "no_press":
             out.append((spec, 0.0, None))
             continue
-        windows = config.windows if (config.windows and spec.entry.grid_offset) else [None]
+        windows = windows_at(config, spec.entry, dict(spec.options), stride)
         for ratio in config.compression_ratios:
             for window in windows:
-                if window is not None and window < stride:
-                    continue
                 out.append((spec, float(ratio), window))
     return out
 

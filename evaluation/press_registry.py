@@ -80,6 +80,10 @@ class PressEntry:
     example: Optional[str] = None
     """A spec with settings that ``kvpress-phase list`` shows (None: the name, or ``scorer=`` its first other
     scorer; :func:`example_spec`)."""
+    overlapping_windows: Optional[Callable[[dict], bool]] = None
+    """``overlapping_windows(settings)``: whether the press, with these settings, takes windows longer than its
+    stride (``--windows`` W > S). One that does not (None: never) runs at W = S on the strides shorter than a
+    ``--windows`` value (:func:`~.config.windows_at`)."""
 
 
 RUN_SETTINGS = {"compression_ratio": "--compression-ratios", "stride": "--strides",
@@ -303,7 +307,7 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
     PressEntry("chunked_stride", "ChunkedStridePress: fixed windows every stride tokens, each keeps its k best tokens "
                "by KeyDiff score (:mode=pool merges them into k entries)", _chunked_stride,
                settings="fields", grid_offset=True, trainable=True, setting_names=_fields("ChunkedStridePress"),
-               example="chunked_stride:mode=pool"),
+               example="chunked_stride:mode=pool", overlapping_windows=lambda o: o.get("mode") == "pool"),
     PressEntry("phase_aware", "PhaseAwarePress: the same cache length, the row's best tokens by KeyDiff score "
                "wherever they are (no fixed budget per window)", _phase_aware,
                settings="fields", grid_offset=True, trainable=True, setting_names=_phase_aware_settings,
@@ -332,7 +336,7 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "aligned to the scores or overlapping (the studies' ablations)",
                _staggered_window, settings="fields", grid_offset=True, in_default_job=False,
                setting_names=_fields("StaggeredWindowPress", window=True),
-               example="staggered_window:budget=window_topk"),
+               example="staggered_window:budget=window_topk", overlapping_windows=lambda o: o.get("overlap") is True),
     PressEntry("snapkv", "kvpress SnapKVPress (attention of the last 64 prefill tokens' queries)",
                _kvpress("SnapKVPress"), reads=_WINDOW_ATTENTION, matched=True, chunk_scorer=True, shared_scores=True),
     PressEntry("knorm", "kvpress KnormPress (key norm)", _kvpress("KnormPress"), matched=True, chunk_scorer=True,
