@@ -1,0 +1,117 @@
+"""The long-context study's runner and tables (studies/long_context.py): the command matches the pre-registration,
+the progress line, commits of the run folder alone, the tables' statistics under a flat truth, and the on-paper
+memory against a measured figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvpress_phase.cli import build_parser
+from kvpress_phase.evaluation.config import EvalConfig, planned_answers
+from studies import long_context as lc
+
+
+def _config(length: int) -> EvalConfig:
+    a = build_parser().parse_args(lc.eval_command(length)[1:])
+    return EvalConfig(model=a.model, tasks=a.tasks, presses=a.presses, compression_ratios=a.compression_ratios,
+                      strides=a.strides, windows=a.windows, protocol=a.protocol, context_lengths=a.context_lengths,
+                      samples=a.samples, seed=a.seed, matched_cache=a.matched_cache, diagnostics=not a.no_diagnostics)
+
+
+def test_the_command_is_the_preregistered_one():
+    text = open(lc.PREREGISTRATION).read()
+    config = _config(4096)
+    config.validate()
+    assert config.seed == 91 and config.samples == 8 and config.strides == [4, 8] and config.windows == [8]
+    assert config.compression_ratios == [0.5, 0.75] and config.protocol == "offset" and config.matched_cache
+    assert "seed **91**" in text and "**8 samples per phase**" in text
+    for press in lc.PRESSES:
+        assert f"`{press}`" in text, press
+    assert planned_answers(config) == lc.planned(4096) == 3264  # the pre-registration's count per length
+
+
+def test_the_progress_line_counts_answers_and_the_time_left(monkeypatch):
+    p = lc.Progress(4096, held=1000, planned=3264, packed=False, rate=None, estimated=True)
+    assert p.left == 2264
+    assert p.seconds_left == pytest.approx(lc.SECONDS_PER_TEXT[4096] * lc.TEXTS * 2264 / 3264)
+    assert "1,000 of 3,264 answers held, 2,264 left" in p.line() and "sizing's estimate" in p.line()
+    measured = lc.Progress(4096, held=1000, planned=3264, packed=False, rate=2.0, estimated=False)
+    assert measured.seconds_left == 1132 and "at its last rate" in measured.line()
+    assert "finished" in lc.Progress(4096, 3264, 3264, True, None, True).line()
+
+
+def test_the_rate_is_read_from_the_latest_stretch_of_work():
+    log = [{"time": 0, "event": "start", "held": 0}, {"time": 100, "event": "commit", "held": 500},
+           {"time": 200, "event": "stop", "held": 800},
+           {"time": 10_000, "event": "start", "held": 800}, {"time": 10_400, "event": "commit", "held": 1000}]
+    assert lc._latest_rate(log) == pytest.approx(0.5)  # the machine of the latest start, not the earlier one
+    assert lc._latest_rate(log[:4]) is None  # a fresh start, nothing gained yet
+
+
+def _git(cwd, *args):
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+def test_a_commit_takes_the_run_folder_alone(tmp_path, monkeypatch):
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.email", "t@example.com")
+    _git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "other.txt").write_text("staged elsewhere\n")
+    _git(tmp_path, "add", "other.txt")
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / lc.run_dir(4096)
+    (folder / "results").mkdir(parents=True)
+    (folder / "results" / "results-rank0.jsonl").write_text(json.dumps({"key": "a"}) + "\n")
+    assert lc.commit(4096, "R11 so far")
+    assert _git(tmp_path, "show", "--name-only", "--format=", "HEAD").split() == \
+        [f"{lc.run_dir(4096)}/results/results-rank0.jsonl"]
+    assert "other.txt" in _git(tmp_path, "diff", "--cached", "--name-only")  # still staged, not committed
+    assert lc.commit(4096, "nothing new")  # nothing to commit is no failure
+    assert len(_git(tmp_path, "log", "--format=%H").split()) == 1
+
+
+def _answers(rng, texts: int, stride: int, truth: np.ndarray, length: int, press: str) -> list:
+    rows = []
+    for t in range(texts):
+        level = rng.random()  # a per-text difficulty shared by the text's phases
+        for phase in range(stride):
+            rows.append({"context_length": length, "press": press, "grid": f"W={stride}, S={stride}",
+                         "compression_ratio": 0.5, "task": "niah_single", "sample_id": t, "phase": phase,
+                         "score": float(level < truth[phase])})
+    return rows
+
+
+def test_the_phase_and_growth_tests_hold_their_level_under_a_flat_truth():
+    rng = np.random.default_rng(0)
+    fired_l1 = fired_l2 = 0
+    replicates = 100
+    for _ in range(replicates):
+        rows = []
+        for length in (4096, 8192):  # the same flat truth at both lengths, per-phase noise on top of the text's
+            truth = np.full(8, 0.6)
+            for r in _answers(rng, 16, 8, truth, length, "chunked_stride"):
+                r["score"] = float(rng.random() < (0.9 if r["score"] else 0.3))
+                rows.append(r)
+        table = lc.phase_table(pd.DataFrame(rows).assign(stride=8, window=8.0), ("chunked_stride",))
+        fired_l1 += bool((table.p_holm < 0.05).any())
+        fired_l2 += bool((lc.growth_table(table).p_holm < 0.05).any())
+    assert fired_l1 / replicates <= 0.10 and fired_l2 / replicates <= 0.10
+
+
+def test_a_weak_phase_is_found():
+    rng = np.random.default_rng(1)
+    truth = np.full(8, 0.95)
+    truth[3] = 0.05
+    table = lc.phase_table(pd.DataFrame(_answers(rng, 16, 8, truth, 4096, "chunked_stride")).assign(stride=8),
+                           ("chunked_stride",))
+    assert table.p_holm.iloc[0] < 0.05 and lc.l1_verdicts(table) == {4096: "present"}
+
+
+def test_the_cache_on_paper_is_the_measured_cache():
+    # docs/results/long-context/sizing.md: 95.44 MiB for Qwen's 4,072-token prefill in float32
+    assert lc.on_paper(lc.QWEN, 4072, 4)["cache GiB"] * 1024 == pytest.approx(95.44, abs=0.01)
