@@ -99,7 +99,9 @@ def add_commands(sub) -> None:
     ev.add_argument("--strides", type=csv_list(int, "--strides", at_least(1, "strides")), default=quick["strides"],
                     help="comma-separated window strides S (default: 8)")
     ev.add_argument("--windows", type=csv_list(int, "--windows", at_least(1, "windows")), default=None,
-                    help="comma-separated window lengths W >= S for our presses (default: each press's own)")
+                    help="comma-separated window lengths W >= S for our presses (default: each press's own); a W "
+                         "longer than a stride applies where the press takes overlapping windows "
+                         "(chunked_stride:mode=pool, staggered_window:overlap=true), the others run at W = S there")
     ev.add_argument("--phases", type=csv_list(int, "--phases", at_least(0, "phases")), default=None,
                     help="comma-separated phases in [0, S) (default: all phases of each stride)")
     ev.add_argument("--protocol", choices=["prefix", "offset"], default=quick["protocol"],
