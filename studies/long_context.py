@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from typing import Optional
+
+from studies import resumable
 
 PREREGISTRATION = "docs/preregistration-long-context.md"
 OUTPUT = "outputs/long-context"
@@ -58,39 +55,6 @@ def eval_command(length: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ progress
-@dataclasses.dataclass
-class Progress:
-    length: int
-    held: int
-    planned: int
-    packed: bool
-    rate: Optional[float]  # answers per second over the latest timed stretch, None when none
-    estimated: bool  # the time left is the sizing's estimate, not this run's own rate
-
-    @property
-    def left(self) -> int:
-        return self.planned - self.held
-
-    @property
-    def seconds_left(self) -> float:
-        if self.left <= 0:
-            return 0.0
-        if self.rate:
-            return self.left / self.rate
-        return SECONDS_PER_TEXT[self.length] * TEXTS * self.left / self.planned
-
-    def line(self) -> str:
-        state = "finished, packed" if self.packed else ("finished" if self.left <= 0 else "")
-        eta = "" if self.left <= 0 else (f"about {_hours(self.seconds_left)} left"
-                                         + (" (the sizing's estimate)" if self.estimated else " (at its last rate)"))
-        return (f"n{self.length}: {self.held:,} of {self.planned:,} answers held, {self.left:,} left"
-                + (f"; {eta}" if eta else "") + (f"; {state}" if state else ""))
-
-
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
-
-
 def planned(length: int) -> int:
     from kvpress_phase.cli import build_parser
     from kvpress_phase.evaluation.config import EvalConfig, planned_answers
@@ -103,133 +67,19 @@ def planned(length: int) -> int:
 
 
 def held(length: int) -> int:
-    from kvpress_phase.evaluation.store import read_results
-
-    folder = run_dir(length)
-    return 0 if not os.path.isdir(folder) else len(read_results(folder))
+    return resumable.held(run_dir(length))
 
 
-def _log_path(length: int) -> str:
-    return os.path.join(run_dir(length), "progress.jsonl")
+def progress(length: int, plan: Optional[int] = None) -> resumable.Progress:
+    return resumable.progress(run_dir(length), plan if plan is not None else planned(length), name=f"n{length}",
+                              estimate=SECONDS_PER_TEXT[length] * TEXTS)
 
 
-def _log(length: int) -> list[dict]:
-    path = _log_path(length)
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def _latest_rate(entries: list[dict]) -> Optional[float]:
-    """Answers per second over the latest stretch (entries since the last ``start``) that gained answers."""
-    starts = [i for i, e in enumerate(entries) if e.get("event") == "start"]
-    stretch = entries[starts[-1]:] if starts else entries
-    if len(stretch) < 2:
-        return None
-    gained = stretch[-1]["held"] - stretch[0]["held"]
-    seconds = stretch[-1]["time"] - stretch[0]["time"]
-    return gained / seconds if gained > 0 and seconds > 0 else None
-
-
-def progress(length: int, plan: Optional[int] = None) -> Progress:
-    from kvpress_phase.evaluation.store import packed_path
-
-    rate = _latest_rate(_log(length))
-    return Progress(length, held(length), plan if plan is not None else planned(length),
-                    os.path.exists(packed_path(run_dir(length))), rate, rate is None)
-
-
-def _append_log(length: int, event: str, n_held: int) -> None:
-    os.makedirs(run_dir(length), exist_ok=True)
-    with open(_log_path(length), "a") as fh:
-        fh.write(json.dumps({"time": round(time.time(), 1), "utc": _now(), "event": event, "held": n_held}) + "\n")
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-# ------------------------------------------------------------------------------------------------ git
-def commit(length: int, message: str, *, tries: int = 5) -> bool:
-    """Commit ``run_dir(length)`` alone (other staged work is left staged); False, with a line on stderr, when
-    git cannot (after ``tries`` attempts: another git command may hold the index)."""
-    folder = run_dir(length)
-    for attempt in range(tries):
-        add = subprocess.run(["git", "add", "--", folder], capture_output=True, text=True)
-        if add.returncode == 0:
-            staged = subprocess.run(["git", "diff", "--cached", "--quiet", "--", folder])
-            if staged.returncode == 0:
-                return True  # nothing new
-            done = subprocess.run(["git", "commit", "-q", "-m", message, "--", folder], capture_output=True,
-                                  text=True)
-            if done.returncode == 0:
-                return True
-            error = done.stderr.strip()
-        else:
-            error = add.stderr.strip()
-        time.sleep(2 + 3 * attempt)
-    print(f"long_context: could not commit {folder}: {error}", file=sys.stderr)
-    return False
-
-
-def _check_preregistered() -> None:
-    shown = subprocess.run(["git", "show", f"HEAD:{PREREGISTRATION}"], capture_output=True, text=True)
-    if shown.returncode != 0:
-        raise SystemExit(f"long_context: {PREREGISTRATION} is not committed; commit the pre-registration before "
-                         "the study's first answer")
-
-
-# ------------------------------------------------------------------------------------------------ run
 def run_length(length: int, commit_every: float, do_commit: bool) -> bool:
     """Run (or resume) one length to its end; False when it was stopped or failed."""
-    from kvpress_phase.evaluation.store import pack_run, packed_path
-
-    plan = planned(length)
-    if os.path.exists(packed_path(run_dir(length))):
-        print(progress(length, plan).line(), flush=True)
-        return True
-    _append_log(length, "start", held(length))
-    print(progress(length, plan).line(), flush=True)
-    child = subprocess.Popen(eval_command(length), start_new_session=True)
-    stopped = False
-
-    def stop(signum, frame):
-        nonlocal stopped
-        stopped = True
-        os.killpg(child.pid, signal.SIGINT)
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        last = time.monotonic()
-        while child.poll() is None:
-            time.sleep(5)
-            if time.monotonic() - last >= commit_every:
-                last = time.monotonic()
-                _append_log(length, "commit", held(length))
-                line = progress(length, plan).line()
-                print(f"\n[{_now()}] {line}", flush=True)
-                if do_commit:
-                    commit(length, f"Long-context study (R11), {line}")
-        if stopped:
-            try:
-                child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    n_held = held(length)
-    _append_log(length, "stop" if (stopped or child.returncode) else "end", n_held)
-    finished = not stopped and child.returncode == 0 and n_held >= plan
-    if finished:
-        pack_run(run_dir(length))
-    line = progress(length, plan).line()
-    print(f"[{_now()}] {line}", flush=True)
-    if do_commit:
-        commit(length, f"Long-context study (R11), {line}")
-    return finished
+    return resumable.run_committed(eval_command(length), run_dir(length), planned(length),
+                                   title=f"Long-context study (R11), {length:,} tokens", commit_every=commit_every,
+                                   do_commit=do_commit, estimate=SECONDS_PER_TEXT[length] * TEXTS)
 
 
 # ------------------------------------------------------------------------------------------------ on paper
@@ -598,7 +448,7 @@ def main(argv: Optional[list] = None) -> int:
             p = progress(length)
             total += p.seconds_left
             print(p.line())
-        print(f"all lengths: about {_hours(total)} left")
+        print(f"all lengths: about {resumable.hours(total)} left")
         return 0
     try:
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
@@ -610,7 +460,7 @@ def main(argv: Optional[list] = None) -> int:
     if args.commit_every <= 0:
         parser.error(f"--commit-every must be positive, got {args.commit_every:g}")
     if not args.no_commit:
-        _check_preregistered()
+        resumable.check_committed(PREREGISTRATION, "the pre-registration")
     for length in lengths:
         if not run_length(length, args.commit_every, not args.no_commit):
             return 1

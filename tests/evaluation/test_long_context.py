@@ -5,7 +5,10 @@ memory against a measured figure."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -14,6 +17,7 @@ import pytest
 from kvpress_phase.cli import build_parser
 from kvpress_phase.evaluation.config import EvalConfig, planned_answers
 from studies import long_context as lc
+from studies import resumable
 
 
 def _config(length: int) -> EvalConfig:
@@ -35,44 +39,86 @@ def test_the_command_is_the_preregistered_one():
     assert planned_answers(config) == lc.planned(4096) == 3264  # the pre-registration's count per length
 
 
-def test_the_progress_line_counts_answers_and_the_time_left(monkeypatch):
-    p = lc.Progress(4096, held=1000, planned=3264, packed=False, rate=None, estimated=True)
-    assert p.left == 2264
-    assert p.seconds_left == pytest.approx(lc.SECONDS_PER_TEXT[4096] * lc.TEXTS * 2264 / 3264)
-    assert "1,000 of 3,264 answers held, 2,264 left" in p.line() and "sizing's estimate" in p.line()
-    measured = lc.Progress(4096, held=1000, planned=3264, packed=False, rate=2.0, estimated=False)
+def test_the_progress_line_counts_answers_and_the_time_left():
+    estimate = lc.SECONDS_PER_TEXT[4096] * lc.TEXTS
+    p = resumable.Progress("n4096", held=1000, planned=3264, packed=False, rate=None, estimate=estimate)
+    assert p.left == 2264 and p.seconds_left == pytest.approx(estimate * 2264 / 3264)
+    assert "n4096: 1,000 of 3,264 answers held, 2,264 left" in p.line() and "sizing's estimate" in p.line()
+    measured = resumable.Progress("n4096", held=1000, planned=3264, packed=False, rate=2.0)
     assert measured.seconds_left == 1132 and "at its last rate" in measured.line()
-    assert "finished" in lc.Progress(4096, 3264, 3264, True, None, True).line()
+    assert "unknown" in resumable.Progress("r", 0, 10, False, None).line()
+    assert "finished, packed" in resumable.Progress("r", 3264, 3264, True, None).line()
 
 
 def test_the_rate_is_read_from_the_latest_stretch_of_work():
     log = [{"time": 0, "event": "start", "held": 0}, {"time": 100, "event": "commit", "held": 500},
            {"time": 200, "event": "stop", "held": 800},
            {"time": 10_000, "event": "start", "held": 800}, {"time": 10_400, "event": "commit", "held": 1000}]
-    assert lc._latest_rate(log) == pytest.approx(0.5)  # the machine of the latest start, not the earlier one
-    assert lc._latest_rate(log[:4]) is None  # a fresh start, nothing gained yet
+    assert resumable.latest_rate(log) == pytest.approx(0.5)  # the machine of the latest start, not the earlier one
+    assert resumable.latest_rate(log[:4]) is None  # a fresh start, nothing gained yet
 
 
 def _git(cwd, *args):
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
 
 
-def test_a_commit_takes_the_run_folder_alone(tmp_path, monkeypatch):
+def _repo(tmp_path, monkeypatch):
     _git(tmp_path, "init", "-q")
     _git(tmp_path, "config", "user.email", "t@example.com")
     _git(tmp_path, "config", "user.name", "t")
+    monkeypatch.chdir(tmp_path)
+
+
+def test_a_commit_takes_the_run_folder_alone(tmp_path, monkeypatch):
+    _repo(tmp_path, monkeypatch)
     (tmp_path / "other.txt").write_text("staged elsewhere\n")
     _git(tmp_path, "add", "other.txt")
-    monkeypatch.chdir(tmp_path)
-    folder = tmp_path / lc.run_dir(4096)
-    (folder / "results").mkdir(parents=True)
-    (folder / "results" / "results-rank0.jsonl").write_text(json.dumps({"key": "a"}) + "\n")
-    assert lc.commit(4096, "R11 so far")
+    folder = lc.run_dir(4096)
+    (tmp_path / folder / "results").mkdir(parents=True)
+    (tmp_path / folder / "results" / "results-rank0.jsonl").write_text(json.dumps({"key": "a"}) + "\n")
+    assert resumable.commit(folder, "R11 so far")
     assert _git(tmp_path, "show", "--name-only", "--format=", "HEAD").split() == \
-        [f"{lc.run_dir(4096)}/results/results-rank0.jsonl"]
+        [f"{folder}/results/results-rank0.jsonl"]
     assert "other.txt" in _git(tmp_path, "diff", "--cached", "--name-only")  # still staged, not committed
-    assert lc.commit(4096, "nothing new")  # nothing to commit is no failure
+    assert resumable.commit(folder, "nothing new")  # nothing to commit is no failure
     assert len(_git(tmp_path, "log", "--format=%H").split()) == 1
+
+
+def test_a_stopped_run_is_committed_and_resumed_without_losing_or_repeating_an_answer(tmp_path, monkeypatch):
+    """A stand-in for eval that appends one answer a second under its key, skipping the keys already held (as eval
+    resumes); stopped after a few answers, its folder is committed; run again, it finishes with every key once."""
+    _repo(tmp_path, monkeypatch)
+    folder = "outputs/run"
+    fake = tmp_path / "fake_eval.py"
+    fake.write_text(
+        "import json, os, sys, time\n"
+        "folder, n = sys.argv[1], int(sys.argv[2])\n"
+        "path = os.path.join(folder, 'results', 'results-rank0.jsonl')\n"
+        "os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+        "have = {json.loads(l)['key'] for l in open(path)} if os.path.exists(path) else set()\n"
+        "for i in range(n):\n"
+        "    if str(i) in have: continue\n"
+        "    time.sleep(0.3)\n"
+        "    with open(path, 'a') as fh: fh.write(json.dumps({'key': str(i), 'press': 'no_press'}) + '\\n')\n")
+    monkeypatch.setattr(resumable, "held", lambda f: sum(1 for _ in open(os.path.join(f, "results",
+                        "results-rank0.jsonl"))) if os.path.exists(os.path.join(f, "results")) else 0)
+    monkeypatch.setattr("kvpress_phase.evaluation.store.pack_run", lambda f: None)
+    command = [sys.executable, str(fake), folder, "12"]
+    import threading
+
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    assert not resumable.run_committed(command, folder, 12, title="test", commit_every=0.5)
+    timer.cancel()
+    first = resumable.held(folder)
+    assert 0 < first < 12
+    assert f"{folder}/results/results-rank0.jsonl" in _git(tmp_path, "ls-files")  # committed as it stopped
+    assert resumable.run_committed(command, folder, 12, title="test", commit_every=60)
+    keys = [json.loads(line)["key"] for line in open(os.path.join(folder, "results", "results-rank0.jsonl"))]
+    assert sorted(keys, key=int) == [str(i) for i in range(12)]  # each answer once
+    events = [e["event"] for e in resumable.read_log(folder)]
+    assert events[0] == "start" and "stop" in events and events[-1] == "end"
+    assert _git(tmp_path, "status", "--porcelain", "--", folder) == ""  # everything committed
 
 
 def _answers(rng, texts: int, stride: int, truth: np.ndarray, length: int, press: str) -> list:

@@ -1,0 +1,186 @@
+"""Long runs that outlive a machine: ``kvpress-phase eval`` into one folder, the folder committed to git as it fills,
+and a progress line (answers held, answers left, the time left at the latest rate).
+
+``eval`` writes every answer once, under its key, and resumes where a folder's answers stop; this adds the commits
+(every ``commit_every`` seconds, when the run ends, and when it is stopped with Ctrl-C or SIGTERM) and a
+``progress.jsonl`` in the folder (time, answers held), from which :func:`progress` reads the rate of the latest
+stretch of work, so that a fresh clone on another machine resumes the run and knows how long it has left. The
+studies' runners (:mod:`studies.long_context`, :mod:`studies.low_ratio_dev`) use it; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+LOG = "progress.jsonl"
+
+
+@dataclasses.dataclass
+class Progress:
+    name: str
+    held: int
+    planned: int
+    packed: bool
+    rate: Optional[float]  # answers per second over the latest timed stretch; None when there is none yet
+    estimate: Optional[float] = None  # seconds for the whole run from a sizing, used while there is no rate
+
+    @property
+    def left(self) -> int:
+        return max(self.planned - self.held, 0)
+
+    @property
+    def seconds_left(self) -> Optional[float]:
+        if self.left == 0:
+            return 0.0
+        if self.rate:
+            return self.left / self.rate
+        return None if self.estimate is None else self.estimate * self.left / self.planned
+
+    def line(self) -> str:
+        state = "finished, packed" if self.packed else ("finished" if self.left == 0 else "")
+        eta = ""
+        if self.left:
+            s = self.seconds_left
+            eta = ("time left unknown until it runs" if s is None else
+                   f"about {hours(s)} left" + (" (at its last rate)" if self.rate else " (the sizing's estimate)"))
+        return (f"{self.name}: {self.held:,} of {self.planned:,} answers held, {self.left:,} left"
+                + (f"; {eta}" if eta else "") + (f"; {state}" if state else ""))
+
+
+def hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def held(folder: str) -> int:
+    from kvpress_phase.evaluation.store import read_results
+
+    return 0 if not os.path.isdir(folder) else len(read_results(folder))
+
+
+def read_log(folder: str) -> list[dict]:
+    path = os.path.join(folder, LOG)
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def append_log(folder: str, event: str, n_held: int) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, LOG), "a") as fh:
+        fh.write(json.dumps({"time": round(time.time(), 1), "utc": now(), "event": event, "held": n_held}) + "\n")
+
+
+def latest_rate(entries: list[dict]) -> Optional[float]:
+    """Answers per second over the latest stretch (the entries since the last ``start``), when it gained answers."""
+    starts = [i for i, e in enumerate(entries) if e.get("event") == "start"]
+    stretch = entries[starts[-1]:] if starts else entries
+    if len(stretch) < 2:
+        return None
+    gained = stretch[-1]["held"] - stretch[0]["held"]
+    seconds = stretch[-1]["time"] - stretch[0]["time"]
+    return gained / seconds if gained > 0 and seconds > 0 else None
+
+
+def progress(folder: str, planned: int, name: Optional[str] = None, estimate: Optional[float] = None) -> Progress:
+    from kvpress_phase.evaluation.store import packed_path
+
+    return Progress(name or folder, held(folder), planned, os.path.exists(packed_path(folder)),
+                    latest_rate(read_log(folder)), estimate)
+
+
+def commit(folder: str, message: str, *, tries: int = 5) -> bool:
+    """Commit ``folder`` alone (other staged work stays staged); True when there was nothing new. False, with a line
+    on stderr, when git cannot after ``tries`` attempts (another git command may hold the index)."""
+    error = ""
+    for attempt in range(tries):
+        add = subprocess.run(["git", "add", "--", folder], capture_output=True, text=True)
+        if add.returncode == 0:
+            if subprocess.run(["git", "diff", "--cached", "--quiet", "--", folder]).returncode == 0:
+                return True  # nothing new
+            done = subprocess.run(["git", "commit", "-q", "-m", message, "--", folder], capture_output=True,
+                                  text=True)
+            if done.returncode == 0:
+                return True
+            error = done.stderr.strip()
+        else:
+            error = add.stderr.strip()
+        time.sleep(2 + 3 * attempt)
+    print(f"resumable: could not commit {folder}: {error}", file=sys.stderr)
+    return False
+
+
+def check_committed(path: str, what: str) -> None:
+    """SystemExit (exit code 2 with a line) unless ``path`` is committed: a study's runs start after its
+    pre-registration."""
+    if subprocess.run(["git", "show", f"HEAD:{path}"], capture_output=True).returncode != 0:
+        print(f"{path} is not committed; commit {what} before the first answer", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def run_committed(command: list[str], folder: str, planned: int, *, title: str, commit_every: float = 1800.0,
+                  do_commit: bool = True, estimate: Optional[float] = None) -> bool:
+    """Run (or resume) ``command`` (a ``kvpress-phase eval`` into ``folder``) to its end, committing ``folder`` as it
+    goes (``title``: the commits' subject); pack the run when every planned answer is held. True when it finished;
+    False when it was stopped or failed (what it wrote is committed either way)."""
+    from kvpress_phase.evaluation.store import pack_run, packed_path
+
+    def line() -> str:
+        return progress(folder, planned, estimate=estimate).line()
+
+    if os.path.exists(packed_path(folder)):
+        print(line(), flush=True)
+        return True
+    append_log(folder, "start", held(folder))
+    print(line(), flush=True)
+    child = subprocess.Popen(command, start_new_session=True)
+    stopped = False
+
+    def stop(signum, frame):
+        nonlocal stopped
+        stopped = True
+        os.killpg(child.pid, signal.SIGINT)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        last = time.monotonic()
+        while child.poll() is None:
+            time.sleep(1)
+            if time.monotonic() - last >= commit_every:
+                last = time.monotonic()
+                append_log(folder, "commit", held(folder))
+                text = line()
+                print(f"\n[{now()}] {text}", flush=True)
+                if do_commit:
+                    commit(folder, f"{title}: {text}")
+        if stopped:
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    n_held = held(folder)
+    append_log(folder, "stop" if (stopped or child.returncode) else "end", n_held)
+    finished = not stopped and child.returncode == 0 and n_held >= planned
+    if finished:
+        pack_run(folder)
+    text = line()
+    print(f"[{now()}] {text}", flush=True)
+    if do_commit:
+        commit(folder, f"{title}: {text}")
+    return finished
