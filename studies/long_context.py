@@ -408,8 +408,7 @@ def main(argv: Optional[list] = None) -> int:
     run = sub.add_parser("run", help="run or resume the study's lengths in turn, committing as it goes")
     run.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
                      help="comma-separated context lengths, of " + ", ".join(map(str, LENGTHS)))
-    run.add_argument("--commit-every", type=float, default=1800.0, help="seconds between commits (default 1800)")
-    run.add_argument("--no-commit", action="store_true", help="leave git alone (the progress log is still kept)")
+    resumable.add_run_options(run)
     sub.add_parser("status", help="answers held and left per length, and the time left")
     sub.add_parser("paper", help="on paper: one length's GPU memory and time at 4k (check), 30k and 128k tokens")
     tables = sub.add_parser("tables", help="the pre-registered tables (markdown) and the figure, from the runs so far")
@@ -454,13 +453,7 @@ def main(argv: Optional[list] = None) -> int:
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--lengths must be comma-separated integers, got {args.lengths!r}")
-    unknown = [n for n in lengths if n not in LENGTHS]
-    if unknown or not lengths:
-        parser.error(f"--lengths must name lengths of {', '.join(map(str, LENGTHS))}, got {args.lengths!r}")
-    if args.commit_every <= 0:
-        parser.error(f"--commit-every must be positive, got {args.commit_every:g}")
-    if not args.no_commit:
-        resumable.check_committed(PREREGISTRATION, "the pre-registration")
+    resumable.start_runs(parser, args, lengths, LENGTHS, PREREGISTRATION)
     for length in lengths:
         if not run_length(length, args.commit_every, not args.no_commit):
             return 1

@@ -63,8 +63,7 @@ def main(argv: Optional[list] = None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     run = sub.add_parser("run", help="run or resume the dev round's runs in turn, committing as they go")
     run.add_argument("--runs", default=",".join(RUNS), help="comma-separated runs, of " + ", ".join(RUNS))
-    run.add_argument("--commit-every", type=float, default=1800.0, help="seconds between commits (default 1800)")
-    run.add_argument("--no-commit", action="store_true", help="leave git alone (the progress log is still kept)")
+    resumable.add_run_options(run)
     sub.add_parser("status", help="answers held and left per run")
     command = sub.add_parser("command", help="the eval command of one run")
     command.add_argument("run", choices=list(RUNS))
@@ -77,13 +76,7 @@ def main(argv: Optional[list] = None) -> int:
             print(resumable.progress(run_dir(name), planned(name), name=name).line())
         return 0
     names = [x.strip() for x in args.runs.split(",") if x.strip()]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown or not names:
-        parser.error(f"--runs must name runs of {', '.join(RUNS)}, got {args.runs!r}")
-    if args.commit_every <= 0:
-        parser.error(f"--commit-every must be positive, got {args.commit_every:g}")
-    if not args.no_commit:
-        resumable.check_committed(PREREGISTRATION, "the pre-registration")
+    resumable.start_runs(parser, args, names, list(RUNS), PREREGISTRATION)
     for name in names:
         if not resumable.run_committed(eval_command(name), run_dir(name), planned(name),
                                        title=f"Low-ratio dev round, {name}", commit_every=args.commit_every,

@@ -122,6 +122,24 @@ def commit(folder: str, message: str, *, tries: int = 5) -> bool:
     return False
 
 
+def add_run_options(parser) -> None:
+    """The options every runner's ``run`` takes: ``--commit-every`` and ``--no-commit``."""
+    parser.add_argument("--commit-every", type=float, default=1800.0, help="seconds between commits (default 1800)")
+    parser.add_argument("--no-commit", action="store_true", help="leave git alone (the progress log is still kept)")
+
+
+def start_runs(parser, args, chosen: list, known, preregistration: str) -> None:
+    """Refuse (``parser.error``: exit code 2 with a line) an empty or unknown choice of runs and a ``--commit-every``
+    that is not positive; unless ``--no-commit``, refuse to start before ``preregistration`` is committed."""
+    unknown = [x for x in chosen if x not in known]
+    if unknown or not chosen:
+        parser.error(f"choose runs of {', '.join(map(str, known))}; got {', '.join(map(str, unknown)) or 'none'}")
+    if args.commit_every <= 0:
+        parser.error(f"--commit-every must be positive, got {args.commit_every:g}")
+    if not args.no_commit:
+        check_committed(preregistration, "the pre-registration")
+
+
 def check_committed(path: str, what: str) -> None:
     """SystemExit (exit code 2 with a line) unless ``path`` is committed: a study's runs start after its
     pre-registration."""
