@@ -193,10 +193,10 @@ def _matrix(block):
     return block.pivot_table(index=["task", "sample_id"], columns="phase", values="score", aggfunc="mean").dropna()
 
 
-def phase_table(df, presses: tuple) -> "pd.DataFrame":
-    """Per length, press, grid and ratio: the pooled within-text permutation test over both tasks' texts (Holm over
-    the rows of a length), the share of texts whose answer moves with the phase, the cross-fitted gap with its
-    95% CI, and the mean."""
+def phase_table(df, presses: tuple, by_task: bool = False) -> "pd.DataFrame":
+    """Per length, press, grid and ratio (and task, ``by_task``: the cells): the within-text permutation test over
+    the texts of both tasks, pooled (Holm over the rows of a length), the share of texts whose answer moves with the
+    phase, the cross-fitted gap with its 95% CI, and the mean."""
     import numpy as np
     import pandas as pd
 
@@ -204,10 +204,13 @@ def phase_table(df, presses: tuple) -> "pd.DataFrame":
 
     part = df[df.press.isin(presses) & (df.compression_ratio > 0)]
     rows = []
-    for (n, press, grid, ratio), block in part.groupby(["context_length", "press", "grid", "compression_ratio"]):
+    keys = ["context_length", "press", "grid", "compression_ratio"] + (["task"] if by_task else [])
+    for key, block in part.groupby(keys):
+        n, press, grid, ratio = key[:4]
         m = _matrix(block).to_numpy()
         gap = crossfit_gap(m, rng=np.random.default_rng(0)) if len(m) else (None, None, None)
-        rows.append({"tokens": n, "press": press, "grid": grid, "ratio": ratio, "texts": len(m),
+        rows.append({"tokens": n, "press": press, "grid": grid, "ratio": ratio,
+                     **({"task": key[4]} if by_task else {}), "texts": len(m),
                      "mean": block.score.mean(), "moves": float((m.max(axis=1) > m.min(axis=1)).mean()) if len(m) else np.nan,
                      "p": permutation_p_value(m, rng=np.random.default_rng(0)) if len(m) else np.nan,
                      "gap": gap[0], "gap_low": gap[1], "gap_high": gap[2]})
@@ -317,6 +320,14 @@ def tables_markdown(df, held: Optional[dict] = None) -> str:
               f"{_p(r.p)} | {_p(r.p_holm)} | {_f(r.gap)} ({_f(r.gap_low)} to {_f(r.gap_high)}) |"
               for _, r in phase.iterrows()]
     lines += [""] + [f"- L1 at {n:,} tokens: **{v}**." for n, v in verdicts.items()]
+    cells = phase_table(df, WINDOWED, by_task=True)
+    lines += ["", "Per cell (one task; 8 texts; Holm over the cells of a length; detectable: one phase 0.75 below the "
+              "others), a description of where an effect lies:", "",
+              "| tokens | press | grid | ratio | task | mean | moves | p | Holm p | cross-fitted gap (95% CI) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.tokens:,} | `{r.press}` | {r.grid} | {r.ratio:g} | {r.task} | {r['mean']:.3f} | {_f(r.moves)} | "
+              f"{_p(r.p)} | {_p(r.p_holm)} | {_f(r.gap)} ({_f(r.gap_low)} to {_f(r.gap_high)}) |"
+              for _, r in cells.iterrows()]
     growth = growth_table(phase) if len(phase) else None
     lines += ["", "### L2: growth with length", ""]
     if growth is None or not len(growth):
