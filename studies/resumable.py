@@ -161,20 +161,26 @@ def run_committed(command: list[str], folder: str, planned: int, *, title: str, 
     if os.path.exists(packed_path(folder)):
         print(line(), flush=True)
         return True
-    append_log(folder, "start", held(folder))
-    print(line(), flush=True)
-    child = subprocess.Popen(command, start_new_session=True)
     stopped = False
+    child = None
 
     def stop(signum, frame):
         nonlocal stopped
         stopped = True
-        os.killpg(child.pid, signal.SIGINT)
+        if child is not None and child.poll() is None:
+            os.killpg(child.pid, signal.SIGINT)
 
+    # from here on Ctrl-C and SIGTERM stop the run cleanly (a runner started in the background by a shell ignores
+    # SIGINT until it installs a handler, and its children would inherit that: they get the default back)
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        append_log(folder, "start", held(folder))
+        print(line(), flush=True)
+        if not stopped:
+            child = subprocess.Popen(command, start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         last = time.monotonic()
-        while child.poll() is None:
+        while child is not None and child.poll() is None:
             time.sleep(1)
             if time.monotonic() - last >= commit_every:
                 last = time.monotonic()
@@ -183,7 +189,7 @@ def run_committed(command: list[str], folder: str, planned: int, *, title: str, 
                 print(f"\n[{now()}] {text}", flush=True)
                 if do_commit:
                     commit(folder, f"{title}: {text}")
-        if stopped:
+        if stopped and child is not None:
             try:
                 child.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -192,9 +198,10 @@ def run_committed(command: list[str], folder: str, planned: int, *, title: str, 
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    returncode = child.returncode if child is not None else 1
     n_held = held(folder)
-    append_log(folder, "stop" if (stopped or child.returncode) else "end", n_held)
-    finished = not stopped and child.returncode == 0 and n_held >= planned
+    append_log(folder, "stop" if (stopped or returncode) else "end", n_held)
+    finished = not stopped and returncode == 0 and n_held >= planned
     if finished:
         pack_run(folder)
     text = line()
