@@ -149,10 +149,11 @@ def check_committed(path: str, what: str) -> None:
 
 
 def run_committed(command: list[str], folder: str, planned: int, *, title: str, commit_every: float = 1800.0,
-                  do_commit: bool = True, estimate: Optional[float] = None) -> bool:
+                  do_commit: bool = True, estimate: Optional[float] = None, grace: float = 60.0) -> bool:
     """Run (or resume) ``command`` (a ``kvpress-phase eval`` into ``folder``) to its end, committing ``folder`` as it
     goes (``title``: the commits' subject); pack the run when every planned answer is held. True when it finished;
-    False when it was stopped or failed (what it wrote is committed either way)."""
+    False when it was stopped or failed (what it wrote is committed either way). Stopped, the evaluation gets SIGINT
+    and, if it has not ended ``grace`` seconds later, SIGKILL (an answer is written whole or not at all)."""
     from kvpress_phase.evaluation.store import pack_run, packed_path
 
     def line() -> str:
@@ -180,7 +181,7 @@ def run_committed(command: list[str], folder: str, planned: int, *, title: str, 
             child = subprocess.Popen(command, start_new_session=True,
                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         last = time.monotonic()
-        while child is not None and child.poll() is None:
+        while child is not None and child.poll() is None and not stopped:
             time.sleep(1)
             if time.monotonic() - last >= commit_every:
                 last = time.monotonic()
@@ -191,7 +192,7 @@ def run_committed(command: list[str], folder: str, planned: int, *, title: str, 
                     commit(folder, f"{title}: {text}")
         if stopped and child is not None:
             try:
-                child.wait(timeout=60)
+                child.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()

@@ -121,6 +121,22 @@ def test_a_stopped_run_is_committed_and_resumed_without_losing_or_repeating_an_a
     assert _git(tmp_path, "status", "--porcelain", "--", folder) == ""  # everything committed
 
 
+def test_an_evaluation_that_ignores_the_interrupt_is_killed_and_the_run_stops(tmp_path, monkeypatch):
+    _repo(tmp_path, monkeypatch)
+    stubborn = tmp_path / "stubborn.py"
+    stubborn.write_text("import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(120)\n")
+    monkeypatch.setattr(resumable, "held", lambda f: 0)
+    import threading
+    import time
+
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    began = time.monotonic()
+    assert not resumable.run_committed([sys.executable, str(stubborn)], "outputs/run", 5, title="t", grace=1.0)
+    assert time.monotonic() - began < 30
+    assert [e["event"] for e in resumable.read_log("outputs/run")] == ["start", "stop"]
+
+
 def _answers(rng, texts: int, stride: int, truth: np.ndarray, length: int, press: str) -> list:
     rows = []
     for t in range(texts):
