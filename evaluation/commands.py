@@ -130,14 +130,14 @@ def _dtype_warning(dtype: str, device: str) -> Optional[str]:
     return None
 
 
-def cmd_eval(args) -> int:
+def eval_config(args):
+    """The :class:`~.config.EvalConfig` of parsed ``eval`` arguments (not validated), as ``eval`` runs it; the
+    study runners read their plans through it."""
     from kvpress_phase.builtin import DEFAULT_MODEL
 
     from .config import EvalConfig  # torch-free, as are the first checks of its validate(): task names, numbers
 
-    check_model_flag(args.model)  # first: checking the press specs below imports torch and kvpress
-
-    config = EvalConfig(
+    return EvalConfig(
         model=args.model or DEFAULT_MODEL, tasks=args.tasks,  # the model used, recorded
         presses=args.presses if args.presses is not None else default_presses(args.model or DEFAULT_MODEL),
         compression_ratios=args.compression_ratios,
@@ -147,6 +147,12 @@ def cmd_eval(args) -> int:
         compress_question=args.compress_question, allow_duplicate_k=args.allow_duplicate_k,
         decode_batch=args.decode_batch, step_by_step=args.step_by_step,
     )
+
+
+def cmd_eval(args) -> int:
+    check_model_flag(args.model)  # first: checking the press specs below imports torch and kvpress
+
+    config = eval_config(args)
     try:  # before the imports below (torch, transformers): bad input is refused at once
         config.validate()
     except ValueError as exc:

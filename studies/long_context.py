@@ -37,10 +37,11 @@ PRESSES = ("no_press", "chunked_stride", "chunked_stride:mode=pool", "phase_awar
 EVAL_FLAGS = ("--model", "qwen2.5-coder-0.5b", "--tasks", "niah_single,niah_multikey", "--strides", "4,8",
               "--windows", "8", "--compression-ratios", "0.5,0.75", "--protocol", "offset", "--matched-cache",
               "--samples", "8", "--seed", "91", "--no-diagnostics", "--threads", "2", "--dtype", "float32")
-SECONDS_PER_TEXT = {4096: 294.0, 8192: 659.0, 16384: 1775.0}
-"""The sizing's estimate of one text's cost (a prefill, KVzip+'s scoring and every press's replay and decoding), on
-the 2-core machine: measured at 4,096 tokens (docs/results/long-context/sizing.md), scaled by the prefill's growth
-above it. ``status`` uses it only where a length has no timed stretch of its own yet."""
+SECONDS_PER_TEXT = {4096: 210.0, 8192: 470.0, 16384: 1270.0}
+"""One text's cost (a prefill, KVzip+'s scoring and every press's replay and decoding) on the 2-core machine: at
+4,096 tokens the study's own pace (3,264 answers of 16 texts in 56 minutes, ``outputs/long-context/n4096``), above
+it scaled by the prefill's growth (x2.24 and x6.04, docs/results/long-context/sizing.md). ``status`` uses it only
+where a length has no timed stretch of its own yet."""
 TEXTS = 16
 """Texts per length: 8 samples per phase of 2 tasks under the offset protocol (a text is placed at every phase)."""
 
@@ -56,14 +57,7 @@ def eval_command(length: int) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ progress
 def planned(length: int) -> int:
-    from kvpress_phase.cli import build_parser
-    from kvpress_phase.evaluation.config import EvalConfig, planned_answers
-
-    args = build_parser().parse_args(eval_command(length)[1:])
-    return planned_answers(EvalConfig(tasks=args.tasks, presses=args.presses,
-                                      compression_ratios=args.compression_ratios, strides=args.strides,
-                                      windows=args.windows, phases=args.phases, context_lengths=args.context_lengths,
-                                      samples=args.samples))
+    return resumable.planned(eval_command(length))
 
 
 def held(length: int) -> int:
@@ -298,6 +292,15 @@ def _p(x) -> str:
     return "-" if x != x else ("<0.001" if x < 0.001 else f"{x:.3f}")
 
 
+def _phase_rows(table, fifth: str) -> list[str]:
+    """A phase table (:func:`phase_table`) as markdown, its fifth column ``texts`` (pooled) or ``task`` (cells)."""
+    rows = [f"| tokens | press | grid | ratio | {fifth} | mean | moves | p | Holm p | cross-fitted gap (95% CI) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    return rows + [f"| {r.tokens:,} | `{r.press}` | {r.grid} | {r.ratio:g} | {r[fifth]} | {r['mean']:.3f} | "
+                   f"{_f(r.moves)} | {_p(r.p)} | {_p(r.p_holm)} | {_f(r.gap)} ({_f(r.gap_low)} to {_f(r.gap_high)}) |"
+                   for _, r in table.iterrows()]
+
+
 def tables_markdown(df, held: Optional[dict] = None) -> str:
     lines = []
     if held:
@@ -314,20 +317,12 @@ def tables_markdown(df, held: Optional[dict] = None) -> str:
     lines += ["", "### L1: the phase effect at each length (windowed presses; pooled over both tasks' texts)", "",
               "Holm over the rows of a length. `moves`: the share of texts whose answer differs between two phases. "
               "Detectable: one phase 0.55 below the others at S = 8 (0.50 at S = 4) with 80% power.", "",
-              "| tokens | press | grid | ratio | texts | mean | moves | p | Holm p | cross-fitted gap (95% CI) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r.tokens:,} | `{r.press}` | {r.grid} | {r.ratio:g} | {r.texts} | {r['mean']:.3f} | {_f(r.moves)} | "
-              f"{_p(r.p)} | {_p(r.p_holm)} | {_f(r.gap)} ({_f(r.gap_low)} to {_f(r.gap_high)}) |"
-              for _, r in phase.iterrows()]
+              *_phase_rows(phase, "texts")]
     lines += [""] + [f"- L1 at {n:,} tokens: **{v}**." for n, v in verdicts.items()]
     cells = phase_table(df, WINDOWED, by_task=True)
     lines += ["", "Per cell (one task; 8 texts; Holm over the cells of a length; detectable: one phase 0.75 below the "
               "others), a description of where an effect lies:", "",
-              "| tokens | press | grid | ratio | task | mean | moves | p | Holm p | cross-fitted gap (95% CI) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r.tokens:,} | `{r.press}` | {r.grid} | {r.ratio:g} | {r.task} | {r['mean']:.3f} | {_f(r.moves)} | "
-              f"{_p(r.p)} | {_p(r.p_holm)} | {_f(r.gap)} ({_f(r.gap_low)} to {_f(r.gap_high)}) |"
-              for _, r in cells.iterrows()]
+              *_phase_rows(cells, "task")]
     growth = growth_table(phase) if len(phase) else None
     lines += ["", "### L2: growth with length", ""]
     if growth is None or not len(growth):

@@ -50,12 +50,7 @@ def eval_command(name: str) -> list[str]:
 
 
 def planned(name: str) -> int:
-    from kvpress_phase.cli import build_parser
-    from kvpress_phase.evaluation.config import EvalConfig, planned_answers
-
-    a = build_parser().parse_args(eval_command(name)[1:])
-    return planned_answers(EvalConfig(tasks=a.tasks, presses=a.presses, compression_ratios=a.compression_ratios,
-                                      strides=a.strides, context_lengths=a.context_lengths, samples=a.samples))
+    return resumable.planned(eval_command(name))
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -94,6 +94,21 @@ def latest_rate(entries: list[dict]) -> Optional[float]:
     return gained / seconds if gained > 0 and seconds > 0 else None
 
 
+def eval_config(command: list[str]):
+    """The configuration of a ``kvpress-phase eval`` command line, as ``eval`` would run it (not validated)."""
+    from kvpress_phase.cli import build_parser
+    from kvpress_phase.evaluation.commands import eval_config as from_args
+
+    return from_args(build_parser().parse_args(command[1:]))
+
+
+def planned(command: list[str]) -> int:
+    """How many answers a complete run of the ``eval`` command line holds."""
+    from kvpress_phase.evaluation.config import planned_answers
+
+    return planned_answers(eval_config(command))
+
+
 def progress(folder: str, planned: int, name: Optional[str] = None, estimate: Optional[float] = None) -> Progress:
     from kvpress_phase.evaluation.store import packed_path
 

@@ -14,23 +14,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvpress_phase.cli import build_parser
-from kvpress_phase.evaluation.config import EvalConfig, planned_answers
+from kvpress_phase.evaluation.config import planned_answers
 from studies import long_context as lc
 from studies import resumable
 
 
-def _config(length: int) -> EvalConfig:
-    a = build_parser().parse_args(lc.eval_command(length)[1:])
-    return EvalConfig(model=a.model, tasks=a.tasks, presses=a.presses, compression_ratios=a.compression_ratios,
-                      strides=a.strides, windows=a.windows, protocol=a.protocol, context_lengths=a.context_lengths,
-                      samples=a.samples, seed=a.seed, matched_cache=a.matched_cache, diagnostics=not a.no_diagnostics)
-
-
 def test_the_command_is_the_preregistered_one():
     text = open(lc.PREREGISTRATION).read()
-    config = _config(4096)
+    config = resumable.eval_config(lc.eval_command(4096))
     config.validate()
+    assert config.model == "qwen2.5-coder-0.5b" and config.dtype == "float32"
     assert config.seed == 91 and config.samples == 8 and config.strides == [4, 8] and config.windows == [8]
     assert config.compression_ratios == [0.5, 0.75] and config.protocol == "offset" and config.matched_cache
     assert "seed **91**" in text and "**8 samples per phase**" in text
