@@ -5,6 +5,10 @@ any machine and committed to git as they go.
     python -m studies.low_ratio_dev run           # every run in turn, each resumed where it stopped
     python -m studies.low_ratio_dev run --runs smollm2-s8
     python -m studies.low_ratio_dev command smollm2-s8
+    python -m studies.low_ratio_dev analyse --memory smollm2=FILE.json --memory qwen2.5-coder-0.5b=FILE.json
+
+``analyse`` applies the pre-registered rule (:mod:`studies.low_ratio_rule`) once every run holds every answer
+(``--partial``: on what is held, marked provisional).
 
 Each run is one ``kvpress-phase eval`` into ``outputs/low-ratio-dev/<run>`` (:mod:`studies.resumable`: committed every
 30 minutes, when it ends and when it is stopped; packed once complete). The run refuses to start unless the
@@ -53,6 +57,44 @@ def planned(name: str) -> int:
     return resumable.planned(eval_command(name))
 
 
+def analyse_round(memory: list, partial: bool, output: Optional[str]) -> int:
+    """``analyse``: the rule of :mod:`studies.low_ratio_rule` on the four runs. ValueError for an unfinished round
+    without ``partial``, a ``--memory`` value that is not MODEL=FILE of a model of the round, or a file that is not
+    the benchmark's."""
+    from studies import low_ratio_rule as rule
+    from studies.common import emit, load_runs
+
+    models = {RUNS[name][0] for name in RUNS}
+    files = {}
+    for spec in memory:
+        model, sep, path = spec.partition("=")
+        if not sep or model not in models:
+            raise ValueError(f"--memory {spec!r}: give MODEL=FILE with MODEL one of {', '.join(sorted(models))}")
+        if model in files:
+            raise ValueError(f"--memory is given twice for {model}")
+        files[model] = rule.read_memory(path)
+    held = [run_dir(name) for name in RUNS if os.path.exists(os.path.join(run_dir(name), "config.json"))]
+    records, infos = load_runs(held) if held else (None, [])
+    short = [f"{os.path.basename(i.path)} {i.answers:,} of {i.planned:,}" for i in infos if i.answers < i.planned]
+    short += [f"{name} not started" for name in RUNS if run_dir(name) not in held]
+    reasons = []
+    if short:
+        if not partial:
+            raise ValueError("the round is not finished (" + "; ".join(short) + "): finish it with `python -m "
+                             "studies.low_ratio_dev run`, or give --partial for a provisional reading")
+        reasons.append("the round is not finished: " + "; ".join(short))
+    if set(files) != models:
+        reasons.append("bytes not measured for " + ", ".join(sorted(models - set(files))))
+    per_model, scores = rule.design_scores(records)
+    flat = rule.flat_table(records, held)
+    nbytes = rule.bytes_table(files)
+    decision = rule.decide(scores, flat, nbytes, provisional="; ".join(reasons) or None)
+    answers = (f"{len(records):,} answers of {sum(planned(n) for n in RUNS):,} planned, from "
+               + ", ".join(os.path.basename(r) for r in held) + ".")
+    emit(rule.markdown(per_model, scores, flat, nbytes, decision, answers), output)
+    return 0
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m studies.low_ratio_dev", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -62,7 +104,17 @@ def main(argv: Optional[list] = None) -> int:
     sub.add_parser("status", help="answers held and left per run")
     command = sub.add_parser("command", help="the eval command of one run")
     command.add_argument("run", choices=list(RUNS))
+    analyse = sub.add_parser("analyse", help="the pre-registered rule on the round's answers")
+    analyse.add_argument("--memory", action="append", default=[], metavar="MODEL=FILE",
+                         help="benchmarks/bench_press_memory.py --json of one model (give one per model)")
+    analyse.add_argument("--partial", action="store_true", help="apply the rule to an unfinished round (provisional)")
+    analyse.add_argument("--output", help="write the Markdown to this file as well")
     args = parser.parse_args(argv)
+    if args.what == "analyse":
+        try:
+            return analyse_round(args.memory, args.partial, args.output)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.what == "command":
         print(" ".join(eval_command(args.run)))
         return 0
