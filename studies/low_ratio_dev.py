@@ -17,7 +17,6 @@ pre-registration is committed.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Optional
@@ -96,14 +95,8 @@ def analyse_round(memory: list, partial: bool, output: Optional[str]) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m studies.low_ratio_dev", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="what", required=True)
-    run = sub.add_parser("run", help="run or resume the dev round's runs in turn, committing as they go")
-    run.add_argument("--runs", default=",".join(RUNS), help="comma-separated runs, of " + ", ".join(RUNS))
-    resumable.add_run_options(run)
-    sub.add_parser("status", help="answers held and left per run")
-    command = sub.add_parser("command", help="the eval command of one run")
-    command.add_argument("run", choices=list(RUNS))
+    parser, sub = resumable.runner_parser("python -m studies.low_ratio_dev", __doc__, list(RUNS),
+                                          "the dev round's runs")
     analyse = sub.add_parser("analyse", help="the pre-registered rule on the round's answers")
     analyse.add_argument("--memory", action="append", default=[], metavar="MODEL=FILE",
                          help="benchmarks/bench_press_memory.py --json of one model (give one per model)")
@@ -122,14 +115,8 @@ def main(argv: Optional[list] = None) -> int:
         for name in RUNS:
             print(resumable.progress(run_dir(name), planned(name), name=name).line())
         return 0
-    names = [x.strip() for x in args.runs.split(",") if x.strip()]
-    resumable.start_runs(parser, args, names, list(RUNS), PREREGISTRATION)
-    for name in names:
-        if not resumable.run_committed(eval_command(name), run_dir(name), planned(name),
-                                       title=f"Low-ratio dev round, {name}", commit_every=args.commit_every,
-                                       do_commit=not args.no_commit):
-            return 1
-    return 0
+    return resumable.run_in_turn(parser, args, RUNS, PREREGISTRATION, command=eval_command, folder=run_dir,
+                                 planned=planned, title="Low-ratio dev round")
 
 
 if __name__ == "__main__":

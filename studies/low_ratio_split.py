@@ -16,7 +16,6 @@ until that line is committed: the split does not run before the dev round's choi
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -80,14 +79,7 @@ def planned(name: str, recommendation: str) -> int:
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m studies.low_ratio_split", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="what", required=True)
-    run = sub.add_parser("run", help="run or resume the split's runs in turn, committing as they go")
-    run.add_argument("--runs", default=",".join(RUNS), help="comma-separated runs, of " + ", ".join(RUNS))
-    resumable.add_run_options(run)
-    sub.add_parser("status", help="answers held and left per run")
-    command = sub.add_parser("command", help="the eval command of one run")
-    command.add_argument("run", choices=list(RUNS))
+    parser, _ = resumable.runner_parser("python -m studies.low_ratio_split", __doc__, list(RUNS), "the split's runs")
     args = parser.parse_args(argv)
     try:
         recommendation = frozen_recommendation()
@@ -100,14 +92,9 @@ def main(argv: Optional[list] = None) -> int:
         for name in RUNS:
             print(resumable.progress(run_dir(name), planned(name, recommendation), name=name).line())
         return 0
-    names = [x.strip() for x in args.runs.split(",") if x.strip()]
-    resumable.start_runs(parser, args, names, list(RUNS), PREREGISTRATION)
-    for name in names:
-        if not resumable.run_committed(eval_command(name, recommendation), run_dir(name),
-                                       planned(name, recommendation), title=f"R10 (low-ratio split), {name}",
-                                       commit_every=args.commit_every, do_commit=not args.no_commit):
-            return 1
-    return 0
+    return resumable.run_in_turn(parser, args, RUNS, PREREGISTRATION,
+                                 command=lambda name: eval_command(name, recommendation), folder=run_dir,
+                                 planned=lambda name: planned(name, recommendation), title="R10 (low-ratio split)")
 
 
 if __name__ == "__main__":

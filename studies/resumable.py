@@ -10,6 +10,7 @@ studies' runners (:mod:`studies.long_context`, :mod:`studies.low_ratio_dev`) use
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -141,6 +142,35 @@ def add_run_options(parser) -> None:
     """The options every runner's ``run`` takes: ``--commit-every`` and ``--no-commit``."""
     parser.add_argument("--commit-every", type=float, default=1800.0, help="seconds between commits (default 1800)")
     parser.add_argument("--no-commit", action="store_true", help="leave git alone (the progress log is still kept)")
+
+
+def runner_parser(prog: str, doc: str, runs: list, what: str) -> tuple:
+    """A study runner's command line: ``run [--runs A,B] [--commit-every S] [--no-commit]``, ``status`` and
+    ``command RUN`` (``what``: what the study's runs are, for the help). Returns the parser and its subparsers, for
+    the runner's own commands."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    run = sub.add_parser("run", help=f"run or resume {what} in turn, committing as they go")
+    run.add_argument("--runs", default=",".join(runs), help="comma-separated runs, of " + ", ".join(runs))
+    add_run_options(run)
+    sub.add_parser("status", help="answers held and left per run")
+    command = sub.add_parser("command", help="the eval command of one run")
+    command.add_argument("run", choices=list(runs))
+    return parser, sub
+
+
+def run_in_turn(parser, args, runs: list, preregistration: str, *, command, folder, planned, title: str) -> int:
+    """``run``: the runs ``args.runs`` names, each to its end in turn (:func:`run_committed`), after
+    :func:`start_runs`' checks; ``command(name)``, ``folder(name)`` and ``planned(name)`` give a run's eval, its
+    output folder and its answers, ``title`` the commits' subject (``{title}, {name}``). 0 when every run finished,
+    1 when one was stopped or failed."""
+    names = [x.strip() for x in args.runs.split(",") if x.strip()]
+    start_runs(parser, args, names, list(runs), preregistration)
+    for name in names:
+        if not run_committed(command(name), folder(name), planned(name), title=f"{title}, {name}",
+                             commit_every=args.commit_every, do_commit=not args.no_commit):
+            return 1
+    return 0
 
 
 def start_runs(parser, args, chosen: list, known, preregistration: str) -> None:
