@@ -90,7 +90,8 @@ def analyse_round(memory: list, partial: bool, output: Optional[str]) -> int:
     decision = rule.decide(scores, flat, nbytes, provisional="; ".join(reasons) or None)
     answers = (f"{len(records):,} answers of {sum(planned(n) for n in RUNS):,} planned, from "
                + ", ".join(os.path.basename(r) for r in held) + ".")
-    emit(rule.markdown(per_model, scores, flat, nbytes, decision, answers), output)
+    paired = rule.paired_to_pick(records, decision)
+    emit(rule.markdown(per_model, scores, flat, nbytes, decision, answers, paired), output)
     return 0
 
 

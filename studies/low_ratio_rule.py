@@ -207,6 +207,35 @@ def decide(scores: pd.DataFrame, flat: Optional[pd.DataFrame] = None, nbytes: Op
     return Decision(ratios, kept, dropped, picks, tied, holds, sequence, provisional)
 
 
+def paired_to_pick(records: pd.DataFrame, decision: "Decision", designs: tuple = DESIGNS) -> pd.DataFrame:
+    """What the round can tell apart: per ratio and design, its score minus the ratio's pick's, computed from the
+    paired differences by text (a text: model, task, length, stride and sample; its value the mean over its phases),
+    with a 95% normal interval that treats the texts of a cell as independent (a cell's variance: its texts'
+    variance / their count; a model's: the sum over its cells / cells squared; the score's: the sum over the models
+    / models squared)."""
+    from scipy import stats
+
+    keys = ["model", "task", "context_length", "compression_ratio", "stride", "sample_id"]
+    compressed = records[(records.compression_ratio > 0) & records.press.isin(designs)]
+    per_text = compressed.groupby(keys + ["press"])["score"].mean().unstack("press")
+    z = stats.norm.ppf(0.975)
+    rows = []
+    for ratio in decision.ratios:
+        here = per_text.xs(ratio, level="compression_ratio")
+        pick = decision.picks[ratio]
+        for design in designs:
+            d = (here[design] - here[pick]).dropna()
+            cells = d.groupby(level=["model", "task", "context_length"]).agg(["mean", "var", "size"])
+            cells["var_mean"] = cells["var"].fillna(0.0) / cells["size"]
+            models = cells.groupby(level="model").agg(mean=("mean", "mean"), var=("var_mean", "sum"),
+                                                      n=("mean", "size"))
+            diff = models["mean"].mean()
+            se = float(np.sqrt((models["var"] / models["n"] ** 2).sum()) / len(models))
+            rows.append({"ratio": ratio, "design": design, "diff": diff, "low": diff - z * se,
+                         "high": diff + z * se, "texts": len(d)})
+    return pd.DataFrame(rows)
+
+
 # ----------------------------------------------------------------------------------------------------- the page
 def _score_table(per_model: pd.DataFrame, scores: pd.DataFrame, decision: Decision, presses: tuple) -> list[str]:
     models = list(dict.fromkeys(per_model.index.get_level_values("model")))
@@ -225,7 +254,7 @@ def _score_table(per_model: pd.DataFrame, scores: pd.DataFrame, decision: Decisi
 
 
 def markdown(per_model: pd.DataFrame, scores: pd.DataFrame, flat: pd.DataFrame, nbytes: pd.DataFrame,
-             decision: Decision, answers: str) -> str:
+             decision: Decision, answers: str, paired: Optional[pd.DataFrame] = None) -> str:
     lines = ["## The low-ratio dev round's decision", "", answers, ""]
     if decision.provisional:
         lines += [f"**Provisional: {decision.provisional}.**", ""]
@@ -235,6 +264,14 @@ def markdown(per_model: pd.DataFrame, scores: pd.DataFrame, flat: pd.DataFrame, 
               "two models' mean. Designs within 0.01 of a ratio's top tie; the tie goes to G, then to the fewer "
               "settings, then to the pre-registration's order. Baselines are shown, never picked.", ""]
     lines += _score_table(per_model, scores, decision, DESIGNS + BASELINES)
+    if paired is not None and len(paired):
+        lines += ["", "### What the round can tell apart", "",
+                  "Each design's score minus the ratio's pick's, from the paired differences by text, with a 95% "
+                  "interval (normal; the texts of a cell independent). The rule decides on the scores alone; an "
+                  "interval that spans 0 says the dev round cannot tell the two apart.", "",
+                  "| ratio | design | texts | minus the pick | 95% interval |", "|---|---|---|---|---|"]
+        for r in paired[paired.design != paired.ratio.map(decision.picks)].itertuples():
+            lines.append(f"| {r.ratio:g} | `{r.design}` | {r.texts} | {r.diff:+.3f} | {r.low:+.3f} to {r.high:+.3f} |")
     lines += ["", "### Flat (Holm, family-wise 0.05)", "",
               "| design | cell tests | smallest p | Holm | pooled tests | smallest p | Holm | dropped |",
               "|---|---|---|---|---|---|---|---|"]

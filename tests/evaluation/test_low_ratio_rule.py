@@ -146,3 +146,28 @@ def _page(decision):
     flat = pd.DataFrame({"cell_tests": 0, "cell_raw": np.nan, "cell_adjusted": np.nan, "pooled_tests": 0,
                          "pooled_raw": np.nan, "pooled_adjusted": np.nan, "fires": False}, index=list(rule.DESIGNS))
     return per_model, scores, flat, None, decision, "synthetic"
+
+
+def test_the_paired_interval_covers_a_true_zero_and_excludes_a_large_gap():
+    def accuracy(model, task, ratio, press):
+        return 0.3 if press == KD25 else 0.6
+    records = _records(accuracy, samples=6, seed=3)
+    _, scores = rule.design_scores(records)
+    decision = rule.decide(scores)
+    paired = rule.paired_to_pick(records, decision).set_index(["ratio", "design"])
+    assert paired.loc[(0.5, KD25), "high"] < 0  # 0.3 below: found
+    equal = paired.loc[(0.5, MLP)]  # same truth as most designs: its interval to the pick covers 0 here
+    assert equal["low"] <= 0 <= equal["high"] or decision.picks[0.5] == MLP
+    assert (paired.texts == 2 * 6 * 2 + 6 * 2).all()  # m1: 2 tasks x 2 strides x 6; m2: 1 task x 2 strides x 6
+
+
+def test_the_paired_interval_keeps_its_level_under_a_flat_truth():
+    covered = []
+    for seed in range(40):
+        records = _records(lambda *a: 0.5, samples=4, seed=100 + seed, strides=(8,))
+        _, scores = rule.design_scores(records)
+        decision = rule.decide(_scores({G: (0.5, 0.5, 0.5)}))  # the pick fixed to G: not chosen on the data
+        paired = rule.paired_to_pick(records, decision)
+        row = paired[(paired.ratio == 0.5) & (paired.design == KD25)].iloc[0]
+        covered.append(row.low <= 0 <= row.high)
+    assert np.mean(covered) >= 0.85  # nominal 0.95; 40 draws
