@@ -61,7 +61,7 @@ def analyse_round(memory: list, partial: bool, output: Optional[str]) -> int:
     without ``partial``, a ``--memory`` value that is not MODEL=FILE of a model of the round, or a file that is not
     the benchmark's."""
     from studies import low_ratio_rule as rule
-    from studies.common import emit, load_runs
+    from studies.common import emit
 
     models = {RUNS[name][0] for name in RUNS}
     files = {}
@@ -72,24 +72,15 @@ def analyse_round(memory: list, partial: bool, output: Optional[str]) -> int:
         if model in files:
             raise ValueError(f"--memory is given twice for {model}")
         files[model] = rule.read_memory(path)
-    held = [run_dir(name) for name in RUNS if os.path.exists(os.path.join(run_dir(name), "config.json"))]
-    records, infos = load_runs(held) if held else (None, [])
-    short = [f"{os.path.basename(i.path)} {i.answers:,} of {i.planned:,}" for i in infos if i.answers < i.planned]
-    short += [f"{name} not started" for name in RUNS if run_dir(name) not in held]
-    reasons = []
-    if short:
-        if not partial:
-            raise ValueError("the round is not finished (" + "; ".join(short) + "): finish it with `python -m "
-                             "studies.low_ratio_dev run`, or give --partial for a provisional reading")
-        reasons.append("the round is not finished: " + "; ".join(short))
+    records, answers, unfinished = resumable.read_round({name: run_dir(name) for name in RUNS}, partial,
+                                                        "python -m studies.low_ratio_dev run")
+    reasons = [unfinished] if unfinished else []
     if set(files) != models:
         reasons.append("bytes not measured for " + ", ".join(sorted(models - set(files))))
     per_model, scores = rule.design_scores(records)
-    flat = rule.flat_table(records, held)
+    flat = rule.flat_table(records, [run_dir(name) for name in RUNS])
     nbytes = rule.bytes_table(files)
     decision = rule.decide(scores, flat, nbytes, provisional="; ".join(reasons) or None)
-    answers = (f"{len(records):,} answers of {sum(planned(n) for n in RUNS):,} planned, from "
-               + ", ".join(os.path.basename(r) for r in held) + ".")
     paired = rule.paired_to_pick(records, decision)
     emit(rule.markdown(per_model, scores, flat, nbytes, decision, answers, paired), output)
     return 0

@@ -1,10 +1,11 @@
 """R10, the low-ratio fresh split of docs/preregistration-low-ratio.md: its six runs, resumable on any machine and
-committed to git as they go.
+committed to git as they go, and its targets.
 
     python -m studies.low_ratio_split status        # answers held and left per run
     python -m studies.low_ratio_split run           # every run in turn, each resumed where it stopped
     python -m studies.low_ratio_split run --runs smollm2-agnostic-1024
     python -m studies.low_ratio_split command smollm2-agnostic-1024
+    python -m studies.low_ratio_split targets --output docs/results/low-ratio/tables.md
 
 A run is one ``kvpress-phase eval`` (model x setting x context length; both strides, 6 and 12, in it) into
 ``outputs/low-ratio-split/<run>`` (:mod:`studies.resumable`: committed every 30 minutes, when it ends and when it is
@@ -78,13 +79,40 @@ def planned(name: str, recommendation: str) -> int:
     return resumable.planned(eval_command(name, recommendation))
 
 
+def report_targets(recommendation: str, partial: bool, replicates: int, output: Optional[str]) -> int:
+    """``targets``: :mod:`studies.low_ratio_targets` on the split's runs, the recommendation's and every other press
+    of ours the split answered. ValueError for an unfinished split without ``partial``."""
+    from studies import low_ratio_targets
+    from studies.common import emit
+
+    if replicates < 100:
+        raise ValueError(f"--replicates must be at least 100, got {replicates}")
+    records, answers, unfinished = resumable.read_round({name: run_dir(name) for name in RUNS}, partial,
+                                                        "python -m studies.low_ratio_split run")
+    if unfinished:
+        answers += f" **Provisional: {unfinished}.**"
+    ours = [p for p in presses(recommendation) if p not in kvpress_baselines() and p not in ("no_press", "chunked_stride")]
+    emit(low_ratio_targets.report(records, recommendation, ours, kvpress_baselines(), answers, replicates), output)
+    return 0
+
+
 def main(argv: Optional[list] = None) -> int:
-    parser, _ = resumable.runner_parser("python -m studies.low_ratio_split", __doc__, list(RUNS), "the split's runs")
+    parser, sub = resumable.runner_parser("python -m studies.low_ratio_split", __doc__, list(RUNS),
+                                          "the split's runs")
+    report = sub.add_parser("targets", help="R10's pre-registered targets from the runs (studies.low_ratio_targets)")
+    report.add_argument("--partial", action="store_true", help="report an unfinished split (marked provisional)")
+    report.add_argument("--replicates", type=int, default=2000, help="the yardstick's simulated splits")
+    report.add_argument("--output", help="write the Markdown to this file as well")
     args = parser.parse_args(argv)
     try:
         recommendation = frozen_recommendation()
     except ValueError as exc:
         parser.error(str(exc))
+    if args.what == "targets":
+        try:
+            return report_targets(recommendation, args.partial, args.replicates, args.output)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.what == "command":
         print(" ".join(eval_command(args.run, recommendation)))
         return 0

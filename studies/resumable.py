@@ -173,6 +173,27 @@ def run_in_turn(parser, args, runs: list, preregistration: str, *, command, fold
     return 0
 
 
+def read_round(folders: dict, partial: bool, resume: str) -> tuple:
+    """The answers of a study's runs (``{name: folder}``) for its analysis: ``(records, answers, unfinished)``, with
+    ``answers`` a line saying how many answers of how many planned, from which runs, and ``unfinished`` None or a
+    line naming the runs short of their plan. ValueError when a run is short and not ``partial`` (``resume``: the
+    command that finishes them), or when no run has started."""
+    from studies.common import load_runs
+
+    held = {name: folder for name, folder in folders.items() if os.path.exists(os.path.join(folder, "config.json"))}
+    if not held:
+        raise ValueError(f"no run has started: {resume}")
+    records, infos = load_runs(list(held.values()))
+    short = [f"{os.path.basename(i.path)} {i.answers:,} of {i.planned:,}" for i in infos if i.answers < i.planned]
+    short += [f"{name} not started" for name in folders if name not in held]
+    if short and not partial:
+        raise ValueError("the round is not finished (" + "; ".join(short) + f"): finish it with `{resume}`, or give "
+                         "--partial for a provisional reading")
+    answers = (f"{len(records):,} answers held, of {sum(i.planned for i in infos):,} planned in the runs started, "
+               f"from {', '.join(held)}.")
+    return records, answers, ("the round is not finished: " + "; ".join(short)) if short else None
+
+
 def start_runs(parser, args, chosen: list, known, preregistration: str) -> None:
     """Refuse (``parser.error``: exit code 2 with a line) an empty or unknown choice of runs and a ``--commit-every``
     that is not positive; unless ``--no-commit``, refuse to start before ``preregistration`` is committed."""

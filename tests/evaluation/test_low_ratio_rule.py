@@ -134,7 +134,7 @@ def test_analyse_refuses_an_unfinished_round_with_exit_code_2(tmp_path, monkeypa
     monkeypatch.setattr(dev, "OUTPUT", str(tmp_path))
     with pytest.raises(SystemExit) as exc:
         dev.main(["analyse"])
-    assert exc.value.code == 2 and "not finished" in capsys.readouterr().err
+    assert exc.value.code == 2 and "no run has started" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         dev.main(["analyse", "--memory", "nomodel=x.json"])
     assert exc.value.code == 2 and "MODEL=FILE" in capsys.readouterr().err
