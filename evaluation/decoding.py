@@ -431,23 +431,44 @@ class _null:
 
 
 @torch.inference_mode()
-def decode_ragged(model, cache, question_ids: torch.Tensor, context_length: int, max_new_tokens: int) -> list[int]:
+def decode_ragged(model, cache, question_ids: torch.Tensor, context_length: int, max_new_tokens: int,
+                  draft: Optional[list] = None) -> list[int]:
     """The greedy answer tokens over one cache with ragged layers (a per-head budget of ours, stored as kvpress's
     pipeline stores it: :func:`kvpress_phase.presses.storage.store_layer`), decoded as the pipeline decodes it: one
     forward of the question, then one per token, with the model on the package's attention for the call (its own
-    attention restored after). The cache grows in place and is left as it ends; the caller discards it."""
+    attention restored after). The cache grows in place and is left as it ends; the caller discards it.
+
+    Given a ``draft`` (another answer's tokens to the same question, e.g. the uncompressed cache's), the draft is
+    checked as :func:`decode_tokens` checks one: one forward of the question followed by the draft gives the greedy
+    token after every prefix of the draft; the answer keeps the draft up to its first token that differs from its
+    own greedy choice, the cache is cropped back to that point, and decoding goes on one token per forward. The
+    answer is the greedy one either way; the draft saves forwards (most compressed caches answer as the uncompressed
+    one does)."""
     from kvpress_phase.ragged import ATTENTION_NAME
 
     stop = stop_tokens(model)
     device = model.device
+    draft = list(draft[:max_new_tokens]) if draft else []
+    question = question_ids.to(device)
+    q = question.shape[1]
+    fed = torch.cat([question, torch.tensor([draft[:-1]], dtype=torch.long, device=device)], dim=1) \
+        if len(draft) > 1 else question
+    starts = [layer.get_seq_length() for layer in cache.layers]  # per layer: ragged layers stand for their own
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     try:
-        positions = torch.arange(context_length, context_length + question_ids.shape[1], device=device)[None]
-        logits = model(input_ids=question_ids.to(device), past_key_values=cache, position_ids=positions,
-                       logits_to_keep=1).logits
-        tokens = [int(logits[0, -1].argmax())]
-        position = context_length + question_ids.shape[1]
+        positions = torch.arange(context_length, context_length + fed.shape[1], device=device)[None]
+        logits = model(input_ids=fed, past_key_values=cache, position_ids=positions,
+                       logits_to_keep=max(len(draft), 1)).logits
+        choices = logits[0].argmax(dim=-1).tolist()  # the greedy token after the question and draft[:j]: choices[j]
+        accepted = 0
+        while accepted < len(draft) - 1 and choices[accepted] == draft[accepted] and draft[accepted] not in stop:
+            accepted += 1
+        tokens = draft[:accepted] + [choices[accepted]]
+        if fed.shape[1] > q + accepted:  # the draft's tokens past the accepted ones leave the cache
+            for layer, start in zip(cache.layers, starts):
+                layer.crop(start + q + accepted)
+        position = context_length + q + accepted
         while tokens[-1] not in stop and len(tokens) < max_new_tokens:
             logits = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=cache,
                            position_ids=torch.tensor([[position]], device=device)).logits

@@ -298,7 +298,8 @@ class ReplayEngine:
         Returns, per press: ``prediction``, ``cache_length`` (mean entries per layer and KV head that decoding
         attends to), ``cache_bytes`` (the bytes the cache holds after the prefill as kvpress's pipeline stores it,
         measured: :func:`kvpress_phase.cache_bytes`; a per-head press of ours on its ragged cache, :func:`ragged_cache`,
-        which it is also decoded on, one answer at a time; its needle diagnostic is read from one masked forward of the
+        which it is also decoded on, one answer at a time, checking the first answer as a draft unless step by step; its
+        needle diagnostic is read from one masked forward of the
         question over the same entries),
         ``masses`` (one per needle, or None).
         """
@@ -363,7 +364,8 @@ class ReplayEngine:
                 stored = ragged_cache(cache, masks)
                 built[i] = (cache, masks, fp, cache_bytes(stored))
                 if fp not in decoded:
-                    tokens = decode_ragged(self.model, stored, question_ids, state.context_length, max_new_tokens)
+                    tokens = decode_ragged(self.model, stored, question_ids, state.context_length, max_new_tokens,
+                                           draft=None if self.step_by_step else state.memo.get(draft_key))
                     own = None
                     if needles:  # the question's attention over the same entries, read from the masked layout
                         rows = {}

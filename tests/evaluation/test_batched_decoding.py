@@ -254,6 +254,43 @@ def test_fast_decoding_equals_step_by_step(model, word_tokenizer, row, draft):
         assert all(layer.keys.shape[2] <= state.context_length for layer in cache.layers)
 
 
+@pytest.mark.parametrize("draft", ["none", "own", "wrong_first", "wrong_late", "too_long", "one_token"])
+def test_ragged_decoding_with_a_draft_equals_step_by_step(model, word_tokenizer, row, draft):
+    """decode_ragged with a draft (right, wrong at the first or a later token, longer than allowed, one token)
+    gives the tokens it gives without one, on ragged caches of per-head budgets, and leaves the cache cropped to
+    the question and the answer it decoded (the draft's rejected tokens are not attended to)."""
+    from kvpress_phase.evaluation.decoding import decode_ragged
+    from kvpress_phase.evaluation.replay import ragged_cache
+
+    engine = ReplayEngine(model, word_tokenizer)
+    encoded = engine.encode(row["context"], [row["question"]], row["answer_prefix"])
+    state = engine.prefill(encoded["context_ids"])
+    q = encoded["questions_ids"][0]
+    presses = [GlobalBudgetPress(PhaseAwarePress(0.5)), GlobalBudgetPress(PhaseAwarePress(0.75)),
+               LayerBudgetPress(PhaseAwarePress(0.75))]
+    own = engine.answer_many(state, [None], q, 8)  # sets the uncompressed answer's tokens as the draft
+    uncompressed = state.memo[("draft", tuple(q[0].tolist()), 8)]
+    drafts = {"none": None, "own": uncompressed, "wrong_first": [uncompressed[0] + 1] + uncompressed[1:],
+              "too_long": uncompressed * 3, "one_token": uncompressed[:1],
+              "wrong_late": uncompressed[:2] + [uncompressed[2] + 1] + uncompressed[3:]}
+    assert own[0]["prediction"] and len(uncompressed) > 3
+    for press in presses:
+        cache, masks = engine.compressed_cache(state, press), engine.masks(state, press)
+        reference = decode_ragged(model, ragged_cache(cache, masks), q, state.context_length, 8)
+        stored = ragged_cache(cache, masks)
+        def live(layer):  # a ragged layer's entries; a dense layer's (every head as long)
+            return layer.entries if hasattr(layer, "entries") else layer.keys.shape[1] * layer.keys.shape[2]
+
+        entries = [live(layer) for layer in stored.layers]
+        before = [layer.get_seq_length() for layer in stored.layers]
+        tokens = decode_ragged(model, stored, q, state.context_length, 8, draft=drafts[draft])
+        assert tokens == reference, press
+        grown = q.shape[1] + len(tokens) - 1  # the question and every answer token but the last were fed
+        heads = model.config.num_key_value_heads
+        assert [live(layer) for layer in stored.layers] == [e + grown * heads for e in entries]
+        assert [layer.get_seq_length() for layer in stored.layers] == [b + grown for b in before]
+
+
 def test_every_answer_records_the_bytes_its_cache_stores():
     """cache_bytes: a dense press's keys and values; kvpress's per-head press stores every entry (masked ones
     included); ours stores only the kept entries and two int32 per KV head of a ragged layer's index."""
