@@ -63,6 +63,23 @@ def load_runs(runs: list[str]) -> tuple[pd.DataFrame, list]:
     return results, infos
 
 
+def model_files(specs: list, models, flag: str) -> dict:
+    """``{model: path}`` from ``MODEL=FILE`` values of ``flag`` (one per model). ValueError naming the value: not
+    MODEL=FILE, a model not among ``models``, a model given twice."""
+    out = {}
+    for spec in specs or []:
+        model, sep, path = spec.partition("=")
+        if not sep or not model or not path:
+            raise ValueError(f"{flag} {spec!r}: give MODEL=FILE (a model of the round: {', '.join(sorted(models))})")
+        if model not in models:
+            raise ValueError(f"{flag} {spec!r}: {model!r} is not a model of the round (give MODEL=FILE with one "
+                             f"of {', '.join(sorted(models))})")
+        if model in out:
+            raise ValueError(f"{flag} is given twice for {model}")
+        out[model] = path
+    return out
+
+
 def emit(text: str, output=None) -> None:
     """Print a study's Markdown, and write it to ``output`` as well when one is given."""
     print(text)

@@ -61,17 +61,10 @@ def analyse_round(memory: list, partial: bool, output: Optional[str]) -> int:
     without ``partial``, a ``--memory`` value that is not MODEL=FILE of a model of the round, or a file that is not
     the benchmark's."""
     from studies import low_ratio_rule as rule
-    from studies.common import emit
+    from studies.common import emit, model_files
 
     models = {RUNS[name][0] for name in RUNS}
-    files = {}
-    for spec in memory:
-        model, sep, path = spec.partition("=")
-        if not sep or model not in models:
-            raise ValueError(f"--memory {spec!r}: give MODEL=FILE with MODEL one of {', '.join(sorted(models))}")
-        if model in files:
-            raise ValueError(f"--memory is given twice for {model}")
-        files[model] = rule.read_memory(path)
+    files = {model: rule.read_memory(path) for model, path in model_files(memory, models, "--memory").items()}
     records, answers, unfinished = resumable.read_round({name: run_dir(name) for name in RUNS}, partial,
                                                         "python -m studies.low_ratio_dev run")
     reasons = [unfinished] if unfinished else []

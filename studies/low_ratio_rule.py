@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Optional
 
 import numpy as np
@@ -42,7 +43,8 @@ DESIGNS = (G, "global_budget:scorer=kvzap_keydiff_25", "global_budget:scorer=kvz
            "global_budget:n_local=64:scorer=kvzap", "global_budget:n_local=256:scorer=kvzap", "phase_aware",
            "head_budget:floor=1.0")
 """The candidates and references of the pre-registration's table, in its order (the last tie-break), as the results
-label them (the settings sorted: ``global_budget:scorer=kvzap:n_local=64`` is ``global_budget:n_local=64:scorer=kvzap``)."""
+label them (the settings sorted: ``global_budget:scorer=kvzap:n_local=64`` is
+``global_budget:n_local=64:scorer=kvzap``)."""
 BASELINES = ("keydiff", "adakv", "snapkv", "kvzip_plus", "expected_attention", "pyramidkv")
 """The dev round's kvpress baselines: shown beside the designs, never picked."""
 MARGIN, TOLERANCE, ALPHA, BYTES_CAP = 0.01, 1e-9, 0.05, 1.05
@@ -76,8 +78,6 @@ def design_scores(records: pd.DataFrame, presses: tuple = DESIGNS + BASELINES) -
 def flat_table(records: pd.DataFrame, runs: list[str], designs: tuple = DESIGNS) -> pd.DataFrame:
     """Per design: its phase tests of the finished runs' ``summary.json`` (``cell_tests``, the smallest raw and
     Holm-adjusted p) and its pooled tests (``pooled_tests``, the same), and ``fires`` (an adjusted p < 0.05)."""
-    import os
-
     finished = [run for run in runs if os.path.exists(os.path.join(run, "summary.json"))]
     cells = phase_tests(finished) if finished else pd.DataFrame(columns=["press", "p_value"])
     pooled = pooled_phase_tests(records, presses=designs)
@@ -187,7 +187,8 @@ def decide(scores: pd.DataFrame, flat: Optional[pd.DataFrame] = None, nbytes: Op
     if flat is not None:
         for design in designs:
             if design in flat.index and flat.loc[design, "fires"]:
-                dropped[design] = f"not flat (Holm p {fmt_p(min(flat.loc[design, 'cell_adjusted'], flat.loc[design, 'pooled_adjusted']))})"
+                p = min(flat.loc[design, "cell_adjusted"], flat.loc[design, "pooled_adjusted"])
+                dropped[design] = f"not flat (Holm p {fmt_p(p)})"
     if nbytes is not None and len(nbytes):
         for row in nbytes[nbytes.over.fillna(False).astype(bool)].itertuples():
             dropped.setdefault(row.design, f"bytes {row.multiple:.3f}x chunked_stride's on {row.model}")
@@ -294,7 +295,8 @@ def markdown(per_model: pd.DataFrame, scores: pd.DataFrame, flat: pd.DataFrame, 
         tied = ", ".join(f"`{d}`" for d in decision.tied[ratio])
         lines.append(f"- ratio {ratio:g}: pick `{decision.picks[ratio]}` (tied within 0.01: {tied}).")
     if decision.single:
-        lines.append(f"- Within 0.01 of each ratio's pick at every ratio: {', '.join(f'`{d}`' for d in decision.holds)}. "
+        holds = ", ".join(f"`{d}`" for d in decision.holds)
+        lines.append(f"- Within 0.01 of each ratio's pick at every ratio: {holds}. "
                      f"**Recommendation at every ratio: `{decision.sequence[0]}`.**")
     else:
         steps = ", ".join(f"`{d}` at {r:g}" for r, d in zip(decision.ratios, decision.sequence))

@@ -91,7 +91,7 @@ def report_targets(recommendation: str, partial: bool, replicates: int, output: 
                                                         "python -m studies.low_ratio_split run")
     if unfinished:
         answers += f" **Provisional: {unfinished}.**"
-    ours = [p for p in presses(recommendation) if p not in kvpress_baselines() and p not in ("no_press", "chunked_stride")]
+    ours = [p for p in presses(recommendation) if p not in (*kvpress_baselines(), "no_press", "chunked_stride")]
     emit(low_ratio_targets.report(records, recommendation, ours, kvpress_baselines(), answers, replicates), output)
     return 0
 

@@ -75,7 +75,8 @@ def targets(records: pd.DataFrame, press: str, baselines: list, replicates: int 
 
 def phase_markdown(records: pd.DataFrame, press: str) -> list[str]:
     """``press``'s phase tests per model: how many cells, the smallest p, and the smallest after Holm."""
-    lines = ["| model | cells tested | smallest p | after Holm (model's cells) | phase effect |", "|---|---|---|---|---|"]
+    lines = ["| model | cells tested | smallest p | after Holm (model's cells) | phase effect |",
+             "|---|---|---|---|---|"]
     for model, part in records.groupby("model"):
         p = phase_p(part, press).dropna()
         if not len(p):
@@ -103,7 +104,8 @@ def markdown(tables: dict, recommendation: str, records: pd.DataFrame, answers: 
                 f"{r.high:+.3f}] ({r.texts} texts) |" for r in table.itertuples()]
 
     lines += [f"### The recommendation, `{recommendation}`", ""] + header + rows(tables[recommendation])
-    lines += ["", f"**{summary_counts(tables[recommendation])}.**"]
+    counts = summary_counts(tables[recommendation])
+    lines += ["", f"**{counts}.**" if counts else "No cell of the split holds both the recommendation and a baseline."]
     lines += ["", "Its phase tests (permutation test per cell):", ""] + phase_markdown(records, recommendation)
     for press, table in tables.items():
         if press != recommendation:

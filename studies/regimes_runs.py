@@ -30,7 +30,7 @@ from kvpress_phase.evaluation.metrics import permutation_p_value
 from kvpress_phase.evaluation.presses import parse_press_spec
 from kvpress_phase.evaluation.store import RESULTS_DIR, saved_config
 
-from studies.common import read_summaries
+from studies.common import model_files, read_summaries
 
 REFERENCE = "phase_aware"
 SHARE_HEADS = "head_budget:floor=1.0"
@@ -329,14 +329,7 @@ def stored_bytes(label: str, row: dict, path: str = "--cost") -> float:
 def read_costs(specs: list[str], design: Design = DEV) -> dict:
     """``{model: {press label: {"prefills", "bytes"}}}`` from ``--cost MODEL=FILE`` values."""
     costs = {}
-    for spec in specs or []:
-        model, sep, path = spec.partition("=")
-        if not sep or not model or not path:
-            raise ValueError(f"--cost {spec!r}: give MODEL=FILE (a model of the round: {', '.join(design.models)})")
-        if model not in design.models:
-            raise ValueError(f"--cost {spec!r}: {model!r} is not a model of the round ({', '.join(design.models)})")
-        if model in costs:
-            raise ValueError(f"--cost is given twice for {model}")
+    for model, path in model_files(specs, design.models, "--cost").items():
         table = read_cost_table(path)
         costs[model] = {label: {"prefills": row["prefills"], "bytes": stored_bytes(label, row, f"--cost {path!r}")}
                         for label, row in table.items() if label in CANDIDATES + (MATCHED, SHARE_HEADS) or

@@ -35,7 +35,8 @@ def test_four_smollm2_runs_and_two_qwen_runs():
 
 
 def test_the_recommendation_is_read_from_the_frozen_section_only():
-    text = "# x\n\n## Candidates\n\n- recommendation: `phase_aware`\n\n## Frozen configuration\n\n(later)\n\n## Deviations\n"
+    text = ("# x\n\n## Candidates\n\n- recommendation: `phase_aware`\n\n## Frozen configuration\n\n(later)\n\n"
+            "## Deviations\n")
     with pytest.raises(ValueError, match="freezes no recommendation"):
         split.frozen_recommendation(text)
     frozen = text.replace("(later)", "- recommendation: `global_budget:scorer=kvzap:n_local=64`")
