@@ -155,17 +155,6 @@ def _phase_aware(options: dict, a: BuildArgs):
     return PhaseAwarePress(a.ratio, stride=a.stride, offset=a.offset, **options)
 
 
-def _recommended(options: dict, a: BuildArgs):
-    """:func:`kvpress_phase.recommended_press`'s choice at the run's ratio (the press it would use: the replay engine
-    compresses with it directly)."""
-    from kvpress_phase import recommended_press
-
-    if a.window and a.window != a.stride:
-        raise ValueError(f"window ({a.window}) must equal stride ({a.stride}) for recommended, whose presses "
-                         "(PhaseAwarePress and a budget over it) have no windows")
-    return recommended_press(a.ratio, stride=a.stride, offset=a.offset).chosen
-
-
 def _wrapper_class(name: str):
     """The class of the budget wrapper ``name``: a press of the package, or a retired one of its ablations."""
     import kvpress_phase
@@ -338,10 +327,6 @@ REGISTRY: dict[str, PressEntry] = {e.name: e for e in [
                "global_budget:press=knorm)", _budget("global_budget"), settings="fields",
                masks=True, grid_offset=True, trainable=True, in_default_job=False, setting_names=_wrapper_settings("global_budget"),
                wraps=WRAPPED, example="global_budget:floor=0.25:scorer=kvzap"),
-    PressEntry("recommended", "recommended_press(ratio): phase_aware below ratio 0.375, "
-               "global_budget:scorer=kvzap_mlp from 0.375 (the low-ratio round's dev choice, "
-               "docs/preregistration-low-ratio.md; needs the model's shipped scorer)", _recommended,
-               reads=frozenset({HIDDEN_STATES}), masks=True, grid_offset=True, in_default_job=False),
     PressEntry("threshold_budget", "retired (a study's ablation): ThresholdBudgetPress(PhaseAwarePress): its raw-token budget over layers and KV "
                "heads decided layer by layer, by a score threshold calibrated on the learned scorer's text (scorer "
                "kvzap by default)", _budget("threshold_budget"), settings="fields", masks=True, grid_offset=True,

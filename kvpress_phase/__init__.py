@@ -20,8 +20,6 @@ _LAZY = {
     "HeadBudgetPress": "kvpress_phase.presses.budget",
     "LayerBudgetPress": "kvpress_phase.presses.budget",
     "GlobalBudgetPress": "kvpress_phase.presses.budget",
-    "ByRatioPress": "kvpress_phase.presses.by_ratio",
-    "recommended_press": "kvpress_phase.presses.by_ratio",
     "StaggeredWindowPress": "kvpress_phase.presses.ablations",
     "WindowedDecodingPress": "kvpress_phase.presses.decoding",
     "LayerStats": "kvpress_phase.presses.stats",

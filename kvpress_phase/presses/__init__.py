@@ -6,8 +6,6 @@
   budget of a ``PhaseAwarePress`` or of any kvpress ``ScorerPress`` by score across KV heads, layers, or both;  how a compressed layer
   is stored (dense, or ragged when its KV heads keep different numbers) in storage.py;
 - :class:`PerLayerWindowedPress` (per_layer.py): a ratio per layer for any of them;
-- :class:`ByRatioPress` (by_ratio.py): one of two presses by the ratio, and :func:`recommended_press`, the package's
-  recommendation (the low-ratio round's choice);
 - :class:`WindowedDecodingPress` (decoding.py): any of them while generating too.
 
 The studies' ablations are in ``ablations/``: :class:`StaggeredWindowPress` (fixed per-window budgets on moving
@@ -23,7 +21,6 @@ SDPA cannot read is decoded with, in storage.py. Nothing is patched when the pac
 from kvpress_phase.presses.ablations import StaggeredWindowPress
 from kvpress_phase.presses.base import WindowedPress
 from kvpress_phase.presses.budget import GlobalBudgetPress, HeadBudgetPress, LayerBudgetPress
-from kvpress_phase.presses.by_ratio import ByRatioPress, recommended_press
 from kvpress_phase.presses.chunked_stride_press import ChunkedStridePress
 from kvpress_phase.presses.decoding import WindowedDecodingPress
 from kvpress_phase.presses.per_layer import PerLayerWindowedPress
@@ -32,4 +29,4 @@ from kvpress_phase.presses.stats import CacheSummary, LayerStats, cache_summary
 
 __all__ = ["ChunkedStridePress", "PhaseAwarePress", "PerLayerWindowedPress", "WindowedDecodingPress", "WindowedPress",
            "LayerStats", "CacheSummary", "cache_summary", "HeadBudgetPress", "LayerBudgetPress", "GlobalBudgetPress",
-           "StaggeredWindowPress", "ByRatioPress", "recommended_press"]
+           "StaggeredWindowPress"]
