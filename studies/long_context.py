@@ -336,6 +336,12 @@ def tables_markdown(df, held: Optional[dict] = None) -> str:
                   f"({r.long:,}) | {r.mean_short:.3f} | {r.mean_long:.3f} | {_p(r.p)} | {_p(r.p_holm)} |"
                   for _, r in growth.iterrows()]
         lines += ["", f"- L2: **{'grows' if (growth.p_holm < 0.05).any() else 'no growth detected'}**."]
+        longest = int(growth.long.iloc[0])
+        pending = [n for n, (h, t) in (held or {}).items() if n > longest or (n == longest and h < t)]
+        if pending:
+            lines += [f"- Interim: the pre-registered reading compares the shortest length with the longest, and "
+                      f"{', '.join(f'{n:,}' for n in pending)} tokens {'is' if len(pending) == 1 else 'are'} not "
+                      f"complete; this compares {int(growth.short.iloc[0]):,} with {longest:,}."]
     flat = phase_table(df, (RECOMMENDED,))
     lines += ["", f"### L3: the recommended press `{RECOMMENDED}` is flat", "",
               "Holm over every row. The test speaks only where answers move with the phase (`moves` > 0).", "",
@@ -346,8 +352,9 @@ def tables_markdown(df, held: Optional[dict] = None) -> str:
         flat["p_all"] = holm(flat.p.fillna(1.0).to_numpy())
         lines += [f"| {r.tokens:,} | {r.grid} | {r.ratio:g} | {r.texts} | {r['mean']:.3f} | {_f(r.moves)} | {_p(r.p)} | "
                   f"{_p(r.p_all)} |" for _, r in flat.iterrows()]
-        lines += ["", f"- L3: **{'not flat' if (flat.p_all < 0.05).any() else 'flat'}** (no phase effect detected; "
-                  f"its answers move with the phase on {flat.moves.mean():.0%} of texts)."]
+        verdict = "not flat" if (flat.p_all < 0.05).any() else "flat"
+        lines += ["", f"- L3: **{verdict}** ({'a phase effect' if verdict == 'not flat' else 'no phase effect'} "
+                  f"detected; its answers move with the phase on {flat.moves.mean():.0%} of texts)."]
     means, yardstick, paired = level_tables(df)
     lines += ["", f"### L4: `{RECOMMENDED}` against the best of {', '.join(f'`{b}`' for b in BASELINES)} (S = 8)", "",
               "| tokens | task | ratio | recommended | best baseline | best | within 0.03 | every press answers all |",

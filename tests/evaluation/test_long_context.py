@@ -170,3 +170,26 @@ def test_a_weak_phase_is_found():
 def test_the_cache_on_paper_is_the_measured_cache():
     # docs/results/long-context/sizing.md: 95.44 MiB for Qwen's 4,072-token prefill in float32
     assert lc.on_paper(lc.QWEN, 4072, 4)["cache GiB"] * 1024 == pytest.approx(95.44, abs=0.01)
+
+
+def _study(rng, lengths) -> pd.DataFrame:
+    """Answers of the study's shape at ``lengths``: a windowed press, the recommended press and the baselines, both
+    tasks, stride 8."""
+    rows = []
+    for length in lengths:
+        for press in ("chunked_stride", lc.RECOMMENDED) + lc.BASELINES:
+            for task in ("niah_single", "niah_multikey"):
+                for r in _answers(rng, 4, 8, np.full(8, 0.7), length, press):
+                    rows.append({**r, "task": task, "stride": 8,
+                                 "grid": "" if press in lc.BASELINES else r["grid"]})
+    return pd.DataFrame(rows)
+
+
+def test_growth_is_marked_interim_while_a_longer_length_is_not_complete():
+    df = _study(np.random.default_rng(2), (4096, 8192))
+    interim = lc.tables_markdown(df, held={4096: (10, 10), 8192: (10, 10), 16384: (0, 10)})
+    assert "- Interim: " in interim and "16,384 tokens is not complete; this compares 4,096 with 8,192" in interim
+    partial = lc.tables_markdown(df, held={4096: (10, 10), 8192: (4, 10)})
+    assert "8,192 tokens is not complete" in partial
+    final = lc.tables_markdown(df, held={4096: (10, 10), 8192: (10, 10)})
+    assert "- L2: **" in final and "- Interim: " not in final
