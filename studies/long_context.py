@@ -318,7 +318,10 @@ def tables_markdown(df, held: Optional[dict] = None) -> str:
               "Holm over the rows of a length. `moves`: the share of texts whose answer differs between two phases. "
               "Detectable: one phase 0.55 below the others at S = 8 (0.50 at S = 4) with 80% power.", "",
               *_phase_rows(phase, "texts")]
-    lines += [""] + [f"- L1 at {n:,} tokens: **{v}**." for n, v in verdicts.items()]
+    partial = {n: ht for n, ht in (held or {}).items() if ht[0] < ht[1]}
+    lines += [""] + [f"- L1 at {n:,} tokens: **{v}**"
+                     + (f" (interim: {partial[n][0]:,} of {partial[n][1]:,} answers)." if n in partial else ".")
+                     for n, v in verdicts.items()]
     cells = phase_table(df, WINDOWED, by_task=True)
     lines += ["", "Per cell (one task; 8 texts; Holm over the cells of a length; detectable: one phase 0.75 below the "
               "others), a description of where an effect lies:", "",

@@ -191,5 +191,7 @@ def test_growth_is_marked_interim_while_a_longer_length_is_not_complete():
     assert "- Interim: " in interim and "16,384 tokens is not complete; this compares 4,096 with 8,192" in interim
     partial = lc.tables_markdown(df, held={4096: (10, 10), 8192: (4, 10)})
     assert "8,192 tokens is not complete" in partial
+    assert "- L1 at 8,192 tokens: **" in partial and "(interim: 4 of 10 answers)." in partial
+    assert "(interim:" not in interim
     final = lc.tables_markdown(df, held={4096: (10, 10), 8192: (10, 10)})
     assert "- L2: **" in final and "- Interim: " not in final
