@@ -318,7 +318,7 @@ def tables_markdown(df, held: Optional[dict] = None) -> str:
               "Holm over the rows of a length. `moves`: the share of texts whose answer differs between two phases. "
               "Detectable: one phase 0.55 below the others at S = 8 (0.50 at S = 4) with 80% power.", "",
               *_phase_rows(phase, "texts")]
-    partial = {n: ht for n, ht in (held or {}).items() if ht[0] < ht[1]}
+    partial = {n: ht for n, ht in (held or {}).items() if ht[0] < ht[1]}  # lengths not complete, with (held, total)
     lines += [""] + [f"- L1 at {n:,} tokens: **{v}**"
                      + (f" (interim: {partial[n][0]:,} of {partial[n][1]:,} answers)." if n in partial else ".")
                      for n, v in verdicts.items()]
@@ -340,7 +340,7 @@ def tables_markdown(df, held: Optional[dict] = None) -> str:
                   for _, r in growth.iterrows()]
         lines += ["", f"- L2: **{'grows' if (growth.p_holm < 0.05).any() else 'no growth detected'}**."]
         longest = int(growth.long.iloc[0])
-        pending = [n for n, (h, t) in (held or {}).items() if n > longest or (n == longest and h < t)]
+        pending = [n for n in partial if n >= longest]
         if pending:
             lines += [f"- Interim: the pre-registered reading compares the shortest length with the longest, and "
                       f"{', '.join(f'{n:,}' for n in pending)} tokens {'is' if len(pending) == 1 else 'are'} not "
