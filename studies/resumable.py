@@ -214,6 +214,18 @@ def check_committed(path: str, what: str) -> None:
         raise SystemExit(2)
 
 
+def check_trackable(folder: str) -> None:
+    """SystemExit (exit code 2 with a line) when git ignores ``folder``: every commit of the run would fail, and a
+    machine that goes away would take the run's answers with it. A run's folder needs a ``!/outputs/NAME/`` line in .gitignore."""
+    probe = os.path.join(folder, "results.parquet")  # a file every run writes; the folder itself may not exist yet
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", "--", probe], capture_output=True)
+    if ignored.returncode == 0:
+        top = "/".join(folder.strip("/").split("/")[:2])
+        print(f"git ignores {folder}, so the run could not be committed as it goes: add the line '!/{top}/' to "
+              ".gitignore, or give --no-commit", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def run_committed(command: list[str], folder: str, planned: int, *, title: str, commit_every: float = 1800.0,
                   do_commit: bool = True, estimate: Optional[float] = None, grace: float = 60.0) -> bool:
     """Run (or resume) ``command`` (a ``kvpress-phase eval`` into ``folder``) to its end, committing ``folder`` as it
@@ -228,6 +240,8 @@ def run_committed(command: list[str], folder: str, planned: int, *, title: str, 
     if os.path.exists(packed_path(folder)):
         print(line(), flush=True)
         return True
+    if do_commit:
+        check_trackable(folder)
     stopped = False
     child = None
 

@@ -114,6 +114,36 @@ def test_a_stopped_run_is_committed_and_resumed_without_losing_or_repeating_an_a
     assert _git(tmp_path, "status", "--porcelain", "--", folder) == ""  # everything committed
 
 
+def test_a_run_into_a_folder_git_ignores_refuses_to_start(tmp_path, monkeypatch, capsys):
+    """Its commits would all fail; it stops with exit code 2 and a line naming the fix, before the evaluation runs."""
+    _repo(tmp_path, monkeypatch)
+    (tmp_path / ".gitignore").write_text("/outputs/*\n")
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    with pytest.raises(SystemExit) as stop:
+        resumable.run_committed(command, "outputs/run", 3, title="t")
+    assert stop.value.code == 2 and not marker.exists()
+    assert "!/outputs/run/" in capsys.readouterr().err
+    (tmp_path / ".gitignore").write_text("/outputs/*\n!/outputs/run/\n")
+    resumable.check_trackable("outputs/run")  # with the exception it may start
+
+
+def test_every_study_run_folder_is_committed_by_this_repository():
+    """The repository's .gitignore lets each resumable study's run folders be committed as they go."""
+    from studies import low_ratio_dev, low_ratio_split
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    folders = [lc.run_dir(n) for n in lc.LENGTHS] + [low_ratio_split.run_dir(n) for n in low_ratio_split.RUNS] + \
+        [low_ratio_dev.run_dir(n) for n in low_ratio_dev.RUNS]
+    here = os.getcwd()
+    try:
+        os.chdir(root)
+        for folder in folders:
+            resumable.check_trackable(folder)
+    finally:
+        os.chdir(here)
+
+
 def test_an_evaluation_that_ignores_the_interrupt_is_killed_and_the_run_stops(tmp_path, monkeypatch):
     _repo(tmp_path, monkeypatch)
     stubborn = tmp_path / "stubborn.py"
