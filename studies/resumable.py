@@ -216,7 +216,8 @@ def check_committed(path: str, what: str) -> None:
 
 def check_trackable(folder: str) -> None:
     """SystemExit (exit code 2 with a line) when git ignores ``folder``: every commit of the run would fail, and a
-    machine that goes away would take the run's answers with it. A run's folder needs a ``!/outputs/NAME/`` line in .gitignore."""
+    machine that goes away would take the run's answers with it. A run's folder needs a ``!/outputs/NAME/`` line in
+    .gitignore."""
     probe = os.path.join(folder, "results.parquet")  # a file every run writes; the folder itself may not exist yet
     ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", "--", probe], capture_output=True)
     if ignored.returncode == 0:

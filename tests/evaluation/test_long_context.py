@@ -128,20 +128,15 @@ def test_a_run_into_a_folder_git_ignores_refuses_to_start(tmp_path, monkeypatch,
     resumable.check_trackable("outputs/run")  # with the exception it may start
 
 
-def test_every_study_run_folder_is_committed_by_this_repository():
+def test_every_study_run_folder_is_committed_by_this_repository(monkeypatch):
     """The repository's .gitignore lets each resumable study's run folders be committed as they go."""
     from studies import low_ratio_dev, low_ratio_split
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     folders = [lc.run_dir(n) for n in lc.LENGTHS] + [low_ratio_split.run_dir(n) for n in low_ratio_split.RUNS] + \
         [low_ratio_dev.run_dir(n) for n in low_ratio_dev.RUNS]
-    here = os.getcwd()
-    try:
-        os.chdir(root)
-        for folder in folders:
-            resumable.check_trackable(folder)
-    finally:
-        os.chdir(here)
+    for folder in folders:
+        resumable.check_trackable(folder)
 
 
 def test_an_evaluation_that_ignores_the_interrupt_is_killed_and_the_run_stops(tmp_path, monkeypatch):
